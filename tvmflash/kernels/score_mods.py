@@ -1,0 +1,136 @@
+"""Score modifiers: what happens to a scaled score s = (q . k) * scale before the softmax.
+
+Each modifier is target-independent: it maps TIR expressions `(score, b, h, q_idx, kv_idx)` to
+a new score expression (-inf removes the pair), so the CPU kernels and the CUDA kernels use the
+same code. A modifier may also narrow the kv range a query block needs (and the query range a
+kv block needs), which is how kernels *skip* blocks instead of computing and masking them.
+Variants that come later (window, ALiBi, softcap, dropout, flex score_mod) are new classes here;
+the kernels do not change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import tirx
+
+from .common import F32, NEG_INF, KernelArgs, Shape
+
+
+@dataclass(frozen=True)
+class ScoreIndex:
+    """Where a score sits: batch, query head, absolute query row and key row (int64 exprs)."""
+
+    b: tirx.PrimExpr
+    h: tirx.PrimExpr
+    q_idx: tirx.PrimExpr
+    kv_idx: tirx.PrimExpr
+
+
+class ScoreMod:
+    """Base: identity. Subclasses are frozen dataclasses (they are part of the hashable spec)."""
+
+    def bind(self, args: KernelArgs, shape: Shape) -> "ScoreMod":
+        """Declare extra kernel arguments (called while the kernel is parsed); returns the
+        object whose `apply`/`grad` the kernel uses."""
+        return self
+
+    def apply(self, score, ix: ScoreIndex, shape: Shape):
+        return score
+
+    def grad(self, score, ix: ScoreIndex, shape: Shape):
+        """d apply / d score at `score`; masks return 1 (masked entries have p = 0)."""
+        return tirx.const(1.0, F32)
+
+    def kv_range(self, q_lo, q_hi, shape: Shape):
+        """Keys [lo, hi) that queries [q_lo, q_hi) can attend to; None = no restriction."""
+        return None
+
+    def q_range(self, kv_lo, kv_hi, shape: Shape):
+        """Queries [lo, hi) that can attend to keys [kv_lo, kv_hi); None = no restriction."""
+        return None
+
+
+@dataclass(frozen=True)
+class Causal(ScoreMod):
+    """Query i sees key j iff j <= i + offset: offset 0 aligns the diagonal top-left (torch
+    SDPA), offset Lk - Lq bottom-right (flash-attn)."""
+
+    align: str  # "top_left" | "bottom_right"
+
+    def offset(self, shape: Shape):
+        return shape.seqlen_k - shape.seqlen_q if self.align == "bottom_right" else tirx.const(0, "int64")
+
+    def apply(self, score, ix, shape):
+        return tirx.Select(ix.kv_idx <= ix.q_idx + self.offset(shape), score, NEG_INF)
+
+    def kv_range(self, q_lo, q_hi, shape):
+        return tirx.const(0, "int64"), q_hi + self.offset(shape)
+
+    def q_range(self, kv_lo, kv_hi, shape):
+        return kv_lo - self.offset(shape), shape.seqlen_q
+
+
+@dataclass(frozen=True)
+class Mask(ScoreMod):
+    """A (B, H, Lq, Lk) mask tensor, broadcast through zero strides: boolean (keep where true,
+    passed as uint8) or additive (added to the score)."""
+
+    kind: str  # "bool" | "additive"
+    dtype: str = F32  # additive mask element type (the query dtype)
+
+    def bind(self, args, shape):
+        dt = "uint8" if self.kind == "bool" else self.dtype
+        buf = args.tensor("mask", (shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k), dt,
+                          unit_last_stride=False)
+        return _BoundMask(self.kind, buf)
+
+
+@dataclass(frozen=True)
+class _BoundMask(ScoreMod):
+    kind: str
+    buf: tirx.Buffer
+
+    def apply(self, score, ix, shape):
+        value = self.buf[ix.b, ix.h, ix.q_idx, ix.kv_idx]
+        if self.kind == "bool":
+            return tirx.Select(value != tirx.const(0, "uint8"), score, NEG_INF)
+        return score + tirx.Cast(F32, value)
+
+
+class ScorePipeline:
+    """The bound modifiers of one kernel, applied in order, plus the sequence bounds."""
+
+    def __init__(self, mods, args: KernelArgs, shape: Shape):
+        self.shape = shape
+        self.mods = [m.bind(args, shape) for m in mods]
+
+    def __call__(self, score, ix: ScoreIndex):
+        """Modified score; -inf outside the sequences (tile padding)."""
+        for m in self.mods:
+            score = m.apply(score, ix, self.shape)
+        inside = tirx.all(ix.q_idx < self.shape.seqlen_q, ix.kv_idx < self.shape.seqlen_k)
+        return tirx.Select(inside, score, NEG_INF)
+
+    def grad(self, score, ix: ScoreIndex):
+        """d(pipeline)/d(score) by the chain rule through each modifier."""
+        total = tirx.const(1.0, F32)
+        for m in self.mods:
+            total = total * m.grad(score, ix, self.shape)
+            score = m.apply(score, ix, self.shape)
+        return total
+
+    def kv_range(self, q_lo, q_hi):
+        lo, hi = tirx.const(0, "int64"), self.shape.seqlen_k
+        for m in self.mods:
+            r = m.kv_range(q_lo, q_hi, self.shape)
+            if r is not None:
+                lo, hi = tirx.max(lo, r[0]), tirx.min(hi, r[1])
+        return lo, hi
+
+    def q_range(self, kv_lo, kv_hi):
+        lo, hi = tirx.const(0, "int64"), self.shape.seqlen_q
+        for m in self.mods:
+            r = m.q_range(kv_lo, kv_hi, self.shape)
+            if r is not None:
+                lo, hi = tirx.max(lo, r[0]), tirx.min(hi, r[1])
+        return lo, hi
