@@ -1,14 +1,14 @@
-"""Host CPU schedule (LLVM, AVX2-class x86 or any CPU without a dedicated schedule).
+"""Host CPU schedule (LLVM, any x86 CPU without a dedicated schedule; AVX2 or AVX512 lanes).
 
-Parallelism is in the kernels themselves (one task per (batch, head, block)); this file maps
-each named block of each kernel to a rule from `cpu_rules`. Knobs and their defaults:
+Parallelism is in the kernels themselves (one task per (batch, head, block)); this file maps the
+kernels' named blocks to rules from `cpu_rules`. Every kernel names the same kind of block the
+same way, so one table serves the forward and the three backward kernels. Knobs:
 
-    block_q, block_k   generator parameters: query / key rows per tile (algorithmic)
-    <matmul>.rows      rows of the register tile of each matmul block
-    <matmul>.vecs      vectors per row of that tile
+    block_q, block_k           generator parameters: query / key rows per tile (algorithmic)
+    <kernel>.<matmul>.rows     rows of the register tile of each matmul block
+    <kernel>.<matmul>.vecs     vectors per row of that tile
 
-Tuned values for a spec come from `tuning_logs/host/`; these defaults were picked on the 2-core
-AVX2 dev machine.
+Tuned values for a spec come from `tuning_logs/host/`; `DEFAULTS` were picked on the dev box.
 """
 from __future__ import annotations
 
@@ -17,29 +17,51 @@ from .knobs import Knobs
 
 DEFAULTS = {"block_q": 64, "block_k": 64}
 
-# block name -> rule, per kernel (see tvmflash/kernels/*.py for the blocks)
-PLANS = {
-    "forward": {
-        "load_qT": swap_and_vectorize, "init_acc": vectorize_inner, "load_k": vectorize_inner,
-        "load_v": vectorize_inner, "qk": register_tile, "score": vectorize_inner,
-        "rowmax": swap_and_vectorize, "p": vectorize_inner, "rowsum": swap_and_vectorize,
-        "pv": register_tile, "store_o": vectorize_inner,
-    },
+RULES = {
+    # transposing loads and per-query reductions over S^T tiles
+    "load_qT": swap_and_vectorize, "load_doT": swap_and_vectorize,
+    "rowmax": swap_and_vectorize, "rowsum": swap_and_vectorize,
+    # matmuls: out[r, c] += a[r, k] * b[k, c]
+    "qk": register_tile, "dp": register_tile, "pv": register_tile,
+    "dv": register_tile, "dk": register_tile, "dq": register_tile,
+    # element-wise
+    "load_q": vectorize_inner, "load_do": vectorize_inner, "load_k": vectorize_inner,
+    "load_v": vectorize_inner, "init_acc": vectorize_inner, "score": vectorize_inner,
+    "p": vectorize_inner, "ds": vectorize_inner, "store_o": vectorize_inner,
+    "store_dq": vectorize_inner, "store_dkdv": vectorize_inner,
 }
 
 
 def vector_length(target) -> int:
     """fp32 lanes of the target's widest vector unit."""
-    feats = str(target.attrs.get("mcpu", "")) + " " + " ".join(str(a) for a in target.attrs.get("mattr", []))
-    return 16 if "avx512" in feats or "sapphirerapids" in feats or "skylake-avx512" in feats else 8
+    text = str(target.attrs.get("mcpu", "")) + " " + " ".join(str(a) for a in target.attrs.get("mattr", []))
+    avx512 = ("avx512", "sapphirerapids", "skylake-avx512", "icelake", "cascadelake", "cooperlake",
+              "tigerlake", "rocketlake", "graniterapids", "emeraldrapids", "znver4", "znver5")
+    return 16 if any(s in text for s in avx512) else 8
+
+
+def block_names(sch) -> list[str]:
+    """Every block of the function `sch` works on, outer before inner."""
+    names = []
+
+    def walk(parent):
+        for child in sch.get_child_blocks(parent):
+            names.append(sch.get(child).name_hint)
+            walk(child)
+
+    walk(sch.get_sblock("root"))
+    return names
 
 
 def schedule(sch, kernel: str, vl: int, fixed: dict | None = None) -> dict:
-    """Schedule `kernel` (a key of PLANS) in place; returns the knob values used."""
-    knobs = Knobs(sch, fixed if fixed is not None else None)
-    for block, rule in PLANS[kernel].items():
+    """Schedule function `kernel` of `sch.mod` in place. `fixed` pins knob values (missing
+    ones take their defaults); None samples them (tuning). Returns the knob values used."""
+    sch.work_on(kernel)
+    knobs = Knobs(sch, fixed, prefix=f"{kernel}.")
+    for block in block_names(sch):
+        rule = RULES.get(block)
         if rule is register_tile:
             rule(sch, block, knobs, vl)
-        else:
+        elif rule is not None:
             rule(sch, block)
     return knobs.chosen

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 
 class Knobs:
-    def __init__(self, sch, fixed: dict | None):
+    def __init__(self, sch, fixed: dict | None, prefix: str = ""):
         self.sch = sch
         self.fixed = fixed
+        self.prefix = prefix
         self.chosen: dict = {}
 
     def categorical(self, name: str, candidates: list[int], default: int):
+        name = self.prefix + name
         if default not in candidates:
             default = candidates[0]
         decision = None
@@ -28,6 +30,7 @@ class Knobs:
 
     def tile(self, name: str, loop, max_innermost: int, default_inner: int):
         """Split `loop` in two; the inner factor is the knob."""
+        name = self.prefix + name
         extent = int(self.sch.get(loop).extent)
         decision = None
         if self.fixed is not None:

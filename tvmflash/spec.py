@@ -21,6 +21,7 @@ class AttentionSpec:
     head_dim: int = 64
     causal: str = "none"
     mask: str = "none"
+    mask_dtype: str | None = None  # element type of an additive mask; None: same as dtype
     # Later variants (window, ALiBi, softcap, dropout, flex score_mod) are ScoreMod objects
     # from tvmflash.kernels.score_mods, appended here; the kernels apply them in order.
     score_mods: tuple = field(default=())
@@ -34,6 +35,8 @@ class AttentionSpec:
             raise ValueError(f"causal must be one of {CAUSAL_MODES}, got {self.causal!r}")
         if self.mask not in MASK_KINDS:
             raise ValueError(f"mask must be one of {MASK_KINDS}, got {self.mask!r}")
+        if self.mask_dtype is not None and (self.mask != "additive" or self.mask_dtype not in DTYPES):
+            raise ValueError(f"mask_dtype {self.mask_dtype!r} needs mask='additive' and one of {DTYPES}")
 
     def modifiers(self) -> list:
         """The ScoreMods this spec applies, in order (imports TVM)."""
@@ -43,13 +46,15 @@ class AttentionSpec:
         if self.causal != "none":
             mods.append(Causal(self.causal))
         if self.mask != "none":
-            mods.append(Mask(self.mask, self.dtype))
+            mods.append(Mask(self.mask, self.mask_dtype or self.dtype))
         return mods + list(self.score_mods)
 
     @property
     def name(self) -> str:
         """Readable and unique: used for cache file names and function names."""
         text = f"{self.dtype}_d{self.head_dim}_causal-{self.causal}_mask-{self.mask}"
+        if self.mask_dtype not in (None, self.dtype):
+            text += f"-{self.mask_dtype}"
         if self.score_mods:
             text += "_" + hashlib.sha256(repr(self.score_mods).encode()).hexdigest()[:12]
         return text

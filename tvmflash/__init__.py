@@ -1,0 +1,17 @@
+"""tvmflash: FlashAttention forward and backward written as Apache TVM TensorIR, compiled per
+target, called from PyTorch.
+
+    import tvmflash
+    out = tvmflash.flash_attn_func(q, k, v, causal=True)              # flash-attn 2.x API
+    out = tvmflash.scaled_dot_product_attention(q, k, v, attn_mask=m)  # torch SDPA API
+
+Importing is cheap: TVM loads on the first call that needs a kernel.
+"""
+from ._paths import import_schedules
+from .interface import flash_attn_func, scaled_dot_product_attention
+from .spec import AttentionSpec
+
+import_schedules()  # schedules/ lives beside the package in a checkout, inside it in a wheel
+
+__version__ = "0.1.0"
+__all__ = ["AttentionSpec", "flash_attn_func", "scaled_dot_product_attention"]

@@ -1,0 +1,467 @@
+"""Benchmark tvmflash attention against PyTorch's own SDPA.
+
+Protocol
+--------
+* Layout (B, H, L, D) with Lq = Lk = L; inputs are built once per grid point
+  with ``torch.manual_seed(0)`` and shared by every implementation.
+* FLOPs: forward = 4·B·H·L·L·D (halved when causal), backward = 2.5 × forward.
+* Forward is timed with autograd enabled (inputs require grad), i.e. the
+  forward that a training step runs.  Backward is timed alone:
+  ``torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)`` on a
+  forward output computed beforehand, identically for every implementation.
+* Warm-up: ``warmup`` forward+backward calls per implementation before timing
+  (tvmflash's first call may compile a kernel).
+* Timing: ``rounds`` samples per implementation, taken interleaved (the order of
+  implementations rotates every round so none systematically runs first).  One
+  sample is the mean time of ``iters`` back-to-back calls; the reported time is
+  the **median** of the samples.  ``iters=None`` picks it per point so that a
+  sample lasts roughly ``SAMPLE_TARGET_S``.
+* CPU uses ``time.perf_counter``; CUDA uses CUDA events, and additionally
+  compares against the FLASH and CUDNN SDPA backends (a backend that rejects
+  the point, e.g. FLASH with fp32, is recorded as ``None``).
+* ``ratio = baseline_time / tvmflash_time``: above 1 means tvmflash is faster.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from datetime import datetime, timezone
+from itertools import product
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+SAMPLE_TARGET_S = 0.2
+MAX_AUTO_ITERS = 100
+BASELINE = "torch"  # the baseline every row has; CUDA rows add "flash" and "cudnn"
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# --------------------------------------------------------------------------- #
+# Implementations
+# --------------------------------------------------------------------------- #
+def _implementations(device: str, causal: bool) -> dict[str, Attention]:
+    """Name -> attention callable; "ours" first, then the baselines."""
+    import tvmflash
+
+    impls: dict[str, Attention] = {
+        "ours": lambda q, k, v: tvmflash.scaled_dot_product_attention(q, k, v, is_causal=causal),
+        BASELINE: lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+    }
+    if device == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def pinned(backend: SDPBackend) -> Attention:
+            def attention(q, k, v):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+            return attention
+
+        impls["flash"] = pinned(SDPBackend.FLASH_ATTENTION)
+        impls["cudnn"] = pinned(SDPBackend.CUDNN_ATTENTION)
+    return impls
+
+
+# --------------------------------------------------------------------------- #
+# Timing
+# --------------------------------------------------------------------------- #
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _mean_ms(fn: Callable[[], object], iters: int, device: str) -> float:
+    """Mean wall time of one call of ``fn`` over ``iters`` back-to-back calls, in ms."""
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def _interleaved_median_ms(fns: dict[str, Callable[[], object]], rounds: int, iters: int, device: str) -> dict[str, float]:
+    """Median over ``rounds`` samples per function, sampling the functions in rotating order."""
+    names = list(fns)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(_mean_ms(fns[name], iters, device))
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def _auto_iters(call_ms: float) -> int:
+    return max(1, min(MAX_AUTO_ITERS, round(SAMPLE_TARGET_S * 1e3 / max(call_ms, 1e-3))))
+
+
+# --------------------------------------------------------------------------- #
+# Benchmark grid
+# --------------------------------------------------------------------------- #
+def flops_forward(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool) -> float:
+    return 4.0 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
+
+
+def _bench_point(
+    impls: dict[str, Attention],
+    *,
+    device: str,
+    dtype: str,
+    batch: int,
+    heads: int,
+    seqlen: int,
+    head_dim: int,
+    causal: bool,
+    rounds: int,
+    iters: int | None,
+    warmup: int,
+    status: Callable[[str], None],
+) -> dict:
+    torch.manual_seed(0)
+    shape = (batch, heads, seqlen, head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=DTYPES[dtype], requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(shape, device=device, dtype=DTYPES[dtype])
+
+    # Warm-up (compiles tvmflash's kernels on first use) and drop baselines that reject this point.
+    status("warm-up (first tvmflash call may compile)")
+    outs: dict[str, torch.Tensor] = {}
+    call_ms: dict[str, float] = {}
+    for name, attention in impls.items():
+        try:
+            for _ in range(warmup):
+                out = attention(q, k, v)
+                torch.autograd.grad(out, (q, k, v), grad_out)
+            _sync(device)
+            t0 = time.perf_counter()
+            out = attention(q, k, v)
+            torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
+            _sync(device)
+            call_ms[name] = (time.perf_counter() - t0) * 1e3
+            outs[name] = out
+        except RuntimeError:
+            if name in ("ours", BASELINE):
+                raise
+    n_iters = iters or _auto_iters(max(call_ms.values()) / 3.5)  # a fwd+bwd call is ~3.5 forwards
+
+    status("timing forward")
+    fwd = _interleaved_median_ms(
+        {name: (lambda a=impls[name]: a(q, k, v)) for name in outs}, rounds, n_iters, device
+    )
+    status("timing backward")
+    bwd = _interleaved_median_ms(
+        {name: (lambda o=out: torch.autograd.grad(o, (q, k, v), grad_out, retain_graph=True)) for name, out in outs.items()},
+        rounds,
+        n_iters,
+        device,
+    )
+
+    gflop_fwd = flops_forward(batch, heads, seqlen, head_dim, causal) / 1e9
+    gflop_bwd = 2.5 * gflop_fwd
+    timings = {
+        name: (
+            {
+                "fwd_ms": fwd[name],
+                "bwd_ms": bwd[name],
+                "fwd_gflops": gflop_fwd / (fwd[name] / 1e3),
+                "bwd_gflops": gflop_bwd / (bwd[name] / 1e3),
+            }
+            if name in outs
+            else None
+        )
+        for name in impls
+    }
+    ratios = {
+        name: {"fwd": t["fwd_ms"] / fwd["ours"], "bwd": t["bwd_ms"] / bwd["ours"]} if t else None
+        for name, t in timings.items()
+        if name != "ours"
+    }
+    return {
+        "device": device,
+        "dtype": dtype,
+        "batch": batch,
+        "heads": heads,
+        "seqlen": seqlen,
+        "head_dim": head_dim,
+        "causal": causal,
+        "threads": torch.get_num_threads(),
+        "rounds": rounds,
+        "iters": n_iters,
+        "gflop_fwd": gflop_fwd,
+        "gflop_bwd": gflop_bwd,
+        "fwd_max_abs_diff": (outs["ours"].float() - outs[BASELINE].float()).abs().max().item(),
+        "timings": timings,
+        "ratio": ratios,
+    }
+
+
+def run(
+    *,
+    device: str = "cpu",
+    dtypes: Iterable[str] = ("fp32", "bf16"),
+    seqlens: Iterable[int] = (512, 2048),
+    head_dims: Iterable[int] = (64, 128),
+    causal: Iterable[bool] = (False,),
+    batch: int = 1,
+    heads: int = 16,
+    rounds: int = 5,
+    iters: int | None = None,
+    warmup: int = 2,
+    console: Console | None = None,
+) -> list[dict]:
+    """Benchmark every (dtype, causal, head_dim, seqlen) point; one result dict per point.
+
+    Progress goes to ``console`` (stderr by default).
+    """
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' requested but torch.cuda.is_available() is False")
+    unknown = set(dtypes) - DTYPES.keys()
+    if unknown:
+        raise ValueError(f"unknown dtype(s) {sorted(unknown)}; choose from {list(DTYPES)}")
+
+    points = list(product(dtypes, causal, head_dims, seqlens))
+    rows = []
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console or Console(stderr=True)) as progress:
+        task = progress.add_task("benchmark", total=len(points))
+        for dtype, is_causal, head_dim, seqlen in points:
+            label = f"{dtype} D={head_dim} L={seqlen}" + (" causal" if is_causal else "")
+
+            def status(stage: str, label: str = label) -> None:
+                progress.update(task, description=f"{label}: {stage}")
+
+            row = _bench_point(
+                _implementations(device, is_causal),
+                device=device,
+                dtype=dtype,
+                batch=batch,
+                heads=heads,
+                seqlen=seqlen,
+                head_dim=head_dim,
+                causal=is_causal,
+                rounds=rounds,
+                iters=iters,
+                warmup=warmup,
+                status=status,
+            )
+            rows.append(row)
+            r = row["ratio"][BASELINE]
+            progress.console.log(f"{label}: fwd ×{r['fwd']:.2f}  bwd ×{r['bwd']:.2f} vs {BASELINE}")
+            progress.advance(task)
+        progress.update(task, description="done")
+    return rows
+
+
+# --------------------------------------------------------------------------- #
+# Reporting
+# --------------------------------------------------------------------------- #
+def geomean(values: Iterable[float | None]) -> float:
+    """Geometric mean of the non-None values (NaN if there are none)."""
+    logs = [math.log(v) for v in values if v is not None]
+    return math.exp(sum(logs) / len(logs)) if logs else math.nan
+
+
+def _ratios(rows: list[dict], baseline: str, pass_: str) -> list[float | None]:
+    return [r["ratio"][baseline][pass_] if r["ratio"].get(baseline) else None for r in rows]
+
+
+def _baselines(rows: list[dict]) -> list[str]:
+    return [name for name in rows[0]["ratio"]] if rows else []
+
+
+def _read_cpuinfo() -> tuple[str, list[str]]:
+    """(cpu model name, flags) from /proc/cpuinfo; falls back to platform.processor()."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor(), []
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    return fields.get("model name", platform.processor()), fields.get("flags", "").split()
+
+
+def machine_info(device: str = "cpu") -> dict:
+    """Where and with what a benchmark ran."""
+    model, flags = _read_cpuinfo()
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_model": model,
+        "cpu_count": os.cpu_count(),
+        "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS},
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "env": {var: os.environ.get(var) for var in ("OMP_NUM_THREADS", "TVM_NUM_THREADS")},
+        "cuda_available": torch.cuda.is_available(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "git": _git_describe(),
+    }
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def _git_describe() -> str | None:
+    try:
+        result = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip() or None
+
+
+def write_results(rows: list[dict], out_dir: str | Path, tag: str) -> tuple[Path, Path]:
+    """Write ``<out_dir>/<tag>.json`` (rows + machine info) and ``<out_dir>/<tag>.png``; return both paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out_dir / f"{tag}.json", out_dir / f"{tag}.png"
+    device = rows[0]["device"] if rows else "cpu"
+    summary = {
+        name: {p: geomean(_ratios(rows, name, p)) for p in ("fwd", "bwd")} for name in _baselines(rows)
+    }
+    payload = {
+        "tag": tag,
+        "machine": machine_info(device),
+        "protocol": {
+            "time": "median over rounds of the mean of `iters` calls, implementations interleaved",
+            "ratio": "baseline_ms / ours_ms (>1: tvmflash faster)",
+            "flops": "fwd = 4*B*H*L*L*D (x0.5 causal), bwd = 2.5*fwd",
+        },
+        "geomean_ratio": summary,
+        "rows": rows,
+    }
+    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    _plot(rows, png_path, title=f"tvmflash vs torch SDPA — {tag}")
+    return json_path, png_path
+
+
+def _point_label(row: dict) -> str:
+    return f"{row['dtype']}\nD{row['head_dim']} L{row['seqlen']}" + ("\ncausal" if row["causal"] else "")
+
+
+def _plot(rows: list[dict], path: Path, title: str) -> None:
+    """Bar chart of the speed-up per point, one panel per pass, one bar per baseline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
+
+    baselines = _baselines(rows)
+    width = 0.8 / max(len(baselines), 1)
+    x = range(len(rows))
+    fig, axes = plt.subplots(2, 1, figsize=(max(6.0, 1.1 * len(rows) + 2), 7), sharex=True)
+    for ax, pass_ in zip(axes, ("fwd", "bwd")):
+        for i, name in enumerate(baselines):
+            values = [v if v is not None else math.nan for v in _ratios(rows, name, pass_)]
+            offsets = [xi + (i - (len(baselines) - 1) / 2) * width for xi in x]
+            bars = ax.bar(offsets, values, width, label=f"vs {name}")
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.axhline(1.0, color="black", linewidth=1)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.set_ylabel(f"{pass_} speed-up (baseline / ours)")
+        ax.legend(fontsize=8)
+    axes[-1].set_xticks(list(x), [_point_label(r) for r in rows], fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _fmt_ms(ms: float) -> str:
+    return f"{ms:.3f}" if ms < 1 else f"{ms:.2f}"
+
+
+def _fmt_ratio(ratio: float | None) -> str:
+    if ratio is None or math.isnan(ratio):
+        return "—"
+    color = "green" if ratio >= 1 else "red"
+    return f"[{color}]{ratio:.2f}×[/{color}]"
+
+
+def print_table(rows: list[dict], console: Console | None = None) -> None:
+    """Rich table of tvmflash vs torch SDPA per point, with geomean speed-up rows (overall and per dtype)."""
+    console = console or Console()
+    if not rows:
+        console.print("no results")
+        return
+    cuda = rows[0]["device"] == "cuda"
+    scale, unit = (1e3, "TFLOP/s") if cuda else (1.0, "GFLOP/s")
+    extra = [name for name in _baselines(rows) if name != BASELINE]
+
+    table = Table(title=f"tvmflash vs torch SDPA ({rows[0]['device']}, {rows[0]['threads']} torch threads)")
+    for header in ("dtype", "D", "L", "causal"):
+        table.add_column(header)
+    for header in ("ours fwd ms", "torch fwd ms", "fwd ratio", "ours bwd ms", "torch bwd ms", "bwd ratio"):
+        table.add_column(header, justify="right")
+    table.add_column(f"fwd {unit}\nours / torch", justify="right")
+    table.add_column(f"bwd {unit}\nours / torch", justify="right")
+    for name in extra:
+        table.add_column(f"{name}\nfwd ratio", justify="right")
+        table.add_column(f"{name}\nbwd ratio", justify="right")
+
+    def extra_cells(rows_: list[dict]) -> list[str]:
+        return [_fmt_ratio(geomean(_ratios(rows_, name, p))) for name in extra for p in ("fwd", "bwd")]
+
+    for r in rows:
+        ours, base = r["timings"]["ours"], r["timings"][BASELINE]
+        table.add_row(
+            r["dtype"],
+            str(r["head_dim"]),
+            str(r["seqlen"]),
+            "yes" if r["causal"] else "no",
+            _fmt_ms(ours["fwd_ms"]),
+            _fmt_ms(base["fwd_ms"]),
+            _fmt_ratio(r["ratio"][BASELINE]["fwd"]),
+            _fmt_ms(ours["bwd_ms"]),
+            _fmt_ms(base["bwd_ms"]),
+            _fmt_ratio(r["ratio"][BASELINE]["bwd"]),
+            f"{ours['fwd_gflops'] / scale:.1f} / {base['fwd_gflops'] / scale:.1f}",
+            f"{ours['bwd_gflops'] / scale:.1f} / {base['bwd_gflops'] / scale:.1f}",
+            *extra_cells([r]),
+        )
+
+    groups = [("geomean", rows)]
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    if len(dtypes) > 1:
+        groups += [(f"geomean {d}", [r for r in rows if r["dtype"] == d]) for d in dtypes]
+    table.add_section()
+    for label, group in groups:
+        table.add_row(
+            f"[bold]{label}[/bold]", "", "", "", "", "",
+            _fmt_ratio(geomean(_ratios(group, BASELINE, "fwd"))),
+            "", "",
+            _fmt_ratio(geomean(_ratios(group, BASELINE, "bwd"))),
+            "", "",
+            *extra_cells(group),
+        )
+    console.print(table)

@@ -1,0 +1,139 @@
+"""Public attention functions: flash-attn 2.x and torch SDPA compatible.
+
+These validate their inputs (clear ValueError/TypeError naming the argument, before any kernel
+runs), turn the caller's layout into (batch, heads, seqlen, head_dim) *views* and call the
+`tvmflash::attention_forward` operator, which autograd differentiates with our own backward
+kernels. Features whose kernels do not exist yet raise NotImplementedError, never pass silently.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .ops import attention_forward
+from .spec import MAX_HEAD_DIM
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_tensor(name: str, x) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"{name} must be 4-D, got shape {tuple(x.shape)}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        raise ValueError(f"{name} must be unit-stride in the head dimension (last), got strides {x.stride()}")
+
+
+def _check_qkv(q, k, v) -> None:
+    """q: (B, H, Lq, D), k/v: (B, Hk, Lk, D) views."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x)
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
+        if x.shape[0] != q.shape[0]:
+            raise ValueError(f"{name} has batch size {x.shape[0]} but q has {q.shape[0]}")
+        if x.shape[-1] != q.shape[-1]:
+            raise ValueError(f"{name} has head_dim {x.shape[-1]} but q has {q.shape[-1]}")
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(f"v has {v.shape[1]} heads but k has {k.shape[1]}")
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"v has sequence length {v.shape[2]} but k has {k.shape[2]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"the number of query heads ({q.shape[1]}) must be a multiple of the "
+                         f"number of key/value heads ({k.shape[1]})")
+    if not 0 < q.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {q.shape[-1]}")
+    if q.device.type != "cpu":
+        raise NotImplementedError(f"tvmflash runs on CPU tensors so far; got a {q.device.type} tensor "
+                                  "(the CUDA kernels are not built yet)")
+
+
+def _scale(scale, head_dim: int, name: str) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{name} must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"{name} must be finite, got {scale}")
+    return float(scale)
+
+
+def _unsupported(**features) -> None:
+    for name, active in features.items():
+        if active:
+            raise NotImplementedError(f"{name} is not supported by tvmflash yet")
+
+
+def _check_mask(mask, q, k):
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and mask.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"attn_mask must be bool or float32/float16/bfloat16, got {mask.dtype}")
+    if mask.device != q.device:
+        raise ValueError(f"attn_mask is on {mask.device} but query is on {q.device}")
+    if mask.requires_grad:
+        raise NotImplementedError("gradients with respect to attn_mask are not supported")
+    full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if mask.dim() > 4:
+        raise ValueError(f"attn_mask must have at most 4 dimensions, got shape {tuple(mask.shape)}")
+    try:
+        if torch.broadcast_shapes(mask.shape, full) != torch.Size(full):
+            raise RuntimeError
+    except RuntimeError:
+        raise ValueError(f"attn_mask of shape {tuple(mask.shape)} is not broadcastable to "
+                         f"(batch, heads, seqlen_q, seqlen_k) = {full}") from None
+    return mask
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                 scale=None, enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention, on tvmflash kernels.
+
+    query (B, H, Lq, D), key/value (B, Hk, Lk, D), any strides with the head dim unit-stride.
+    `is_causal` aligns the diagonal top-left (query i sees keys j <= i), as torch does.
+    `attn_mask`: boolean (True = attend) or additive float, broadcastable to (B, H, Lq, Lk);
+    it may be combined with `is_causal`. With `enable_gqa`, H must be a multiple of Hk.
+    A query row that sees no key returns zeros (torch's math path does the same).
+    """
+    _check_qkv(query, key, value)
+    if key.shape[1] != query.shape[1] and not enable_gqa:
+        raise ValueError(f"query has {query.shape[1]} heads but key has {key.shape[1]}; "
+                         "pass enable_gqa=True for grouped-query attention")
+    _unsupported(dropout_p=dropout_p != 0.0)
+    mask = _check_mask(attn_mask, query, key)
+    out, _ = attention_forward(query, key, value, mask, _scale(scale, query.shape[-1], "scale"),
+                               "top_left" if is_causal else "none")
+    return out
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn.flash_attn_func: q (B, Lq, H, D), k/v (B, Lk, Hk, D) -> out (B, Lq, H, D).
+
+    `causal` aligns the diagonal bottom-right (query i sees keys j <= i + Lk - Lq), as
+    flash-attn 2.1+ does. GQA/MQA when H is a multiple of Hk. With `return_attn_probs`
+    returns (out, softmax_lse, None): lse is float32 (B, H, Lq), natural log, -inf for a query
+    that sees no key. Every gradient is deterministic, whatever `deterministic` says.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x)
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+    _check_qkv(qh, kh, vh)
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    _unsupported(dropout_p=dropout_p != 0.0, window_size=tuple(window_size) != (-1, -1),
+                 softcap=softcap != 0.0, alibi_slopes=alibi_slopes is not None)
+    out, lse = attention_forward(qh, kh, vh, None, _scale(softmax_scale, q.shape[-1], "softmax_scale"),
+                                 "bottom_right" if causal else "none")
+    out = out.transpose(1, 2)
+    return (out, lse, None) if return_attn_probs else out

@@ -1,0 +1,113 @@
+"""The torch operators: `tvmflash::attention_forward` / `attention_backward`, registered with
+torch.library (fake impls for torch.compile, autograd through our backward kernels).
+
+Layout here is (batch, heads, seqlen, head_dim) with any strides (head dim unit-stride); the
+public functions in `interface.py` validate inputs and present the flash-attn / SDPA layouts
+as views, so q/k/v are never copied. Tensors go to the TVM functions directly (DLPack).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .spec import AttentionSpec
+
+_TORCH_TO_TVM = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def spec_for(q: torch.Tensor, mask: Optional[torch.Tensor], causal: str) -> AttentionSpec:
+    if mask is None:
+        kind, mask_dtype = "none", None
+    elif mask.dtype == torch.bool:
+        kind, mask_dtype = "bool", None
+    else:
+        kind, mask_dtype = "additive", _TORCH_TO_TVM[mask.dtype]
+        mask_dtype = None if mask_dtype == _TORCH_TO_TVM[q.dtype] else mask_dtype
+    return AttentionSpec(dtype=_TORCH_TO_TVM[q.dtype], head_dim=q.shape[-1], causal=causal,
+                         mask=kind, mask_dtype=mask_dtype)
+
+
+def _kernels(spec: AttentionSpec):
+    from .build import load_cached
+
+    return load_cached(spec)
+
+
+def _mask_args(mask: Optional[torch.Tensor], shape) -> tuple:
+    """The mask as a (B, H, Lq, Lk) view: broadcast through zero strides, bool as uint8."""
+    if mask is None:
+        return ()
+    mask = mask.expand(shape)
+    return (mask.view(torch.uint8) if mask.dtype == torch.bool else mask,)
+
+
+@torch.library.custom_op("tvmflash::attention_forward", mutates_args=())
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                      scale: float, causal: str) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    out = torch.empty_like(q)
+    lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        lse.fill_(float("-inf"))
+        return out, lse
+    if Lk == 0:  # no keys: every query is fully masked
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    kern = _kernels(spec_for(q, mask, causal))
+    kern["forward"](q, k, v, out, lse, scale, *_mask_args(mask, (B, H, Lq, Lk)))
+    return out, lse
+
+
+@attention_forward.register_fake
+def _(q, k, v, mask, scale, causal):
+    B, H, Lq, _ = q.shape
+    return torch.empty_like(q), q.new_empty((B, H, Lq), dtype=torch.float32)
+
+
+@torch.library.custom_op("tvmflash::attention_backward", mutates_args=())
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
+                       mask: Optional[torch.Tensor], scale: float,
+                       causal: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of q, k, v. `dlse` (a gradient flowing into the returned lse) enters through
+    dS = P * (dP - delta + dlse): it is folded into delta."""
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if Lq == 0 or Lk == 0 or q.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    kern = _kernels(spec_for(q, mask, causal))
+    masks = _mask_args(mask, (B, H, Lq, Lk))
+    delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+    kern["backward_delta"](out, dout, delta)
+    if dlse is not None:
+        delta.sub_(dlse)
+    kern["backward_dkdv"](q, k, v, dout, lse, delta, dk, dv, scale, *masks)
+    kern["backward_dq"](q, k, v, dout, lse, delta, dq, scale, *masks)
+    return dq, dk, dv
+
+
+@attention_backward.register_fake
+def _(dout, q, k, v, out, lse, dlse, mask, scale, causal):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, scale, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, mask)
+    ctx.scale, ctx.causal = scale, causal
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, mask = ctx.saved_tensors
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, dlse, mask, ctx.scale, ctx.causal)
+    return dq, dk, dv, None, None, None
+
+
+attention_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,22 @@
+"""Tuned knob values per target and spec, read from `tuning_logs/<target>/knobs.json`.
+
+The file maps a spec name (AttentionSpec.name) to knob values (see schedules/host.py for the
+knob names); a spec without an entry uses the schedule's defaults.
+"""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+from ._paths import TUNING_LOGS_DIR
+from .spec import AttentionSpec
+
+
+@lru_cache(maxsize=None)
+def _records(target_kind: str) -> dict:
+    path = TUNING_LOGS_DIR / target_kind / "knobs.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def tuned_knobs(target_kind: str, spec: AttentionSpec) -> dict:
+    return dict(_records(target_kind).get(spec.name, {}))
