@@ -1,0 +1,41 @@
+"""Plain PyTorch attention used as the reference: (B, H, L, D) layout, any dtype (float64 for
+the ground truth, the input dtype for flash-attn's error budget). A query that sees no key
+gets output 0 and lse -inf, with finite gradients."""
+import math
+
+import torch
+
+
+def keep_mask(lq, lk, causal="none", mask=None, shape=None):
+    """Boolean (.., Lq, Lk) 'may attend' mask for the causal mode and a bool mask."""
+    i = torch.arange(lq)[:, None]
+    j = torch.arange(lk)[None, :]
+    if causal == "top_left":
+        keep = j <= i
+    elif causal == "bottom_right":
+        keep = j <= i + (lk - lq)
+    else:
+        keep = torch.ones(lq, lk, dtype=torch.bool)
+    if mask is not None and mask.dtype == torch.bool:
+        keep = keep & mask
+    return keep.expand(shape) if shape is not None else keep
+
+
+def attention(q, k, v, causal="none", mask=None, scale=None, dtype=None):
+    """Returns (out, lse). `dtype` is the compute type (default: q's)."""
+    dtype = dtype or q.dtype
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q @ k.transpose(-1, -2)) * scale
+    if mask is not None and mask.dtype != torch.bool:
+        s = s + mask.to(dtype)
+    keep = keep_mask(q.shape[2], k.shape[2], causal, mask, s.shape)
+    s = s.masked_fill(~keep, float("-inf"))
+    dead = ~keep.any(-1, keepdim=True) | (s == float("-inf")).all(-1, keepdim=True)
+    s = s.masked_fill(dead, 0.0)
+    lse = torch.logsumexp(s.float() if dtype != torch.float64 else s, -1, keepdim=True)
+    p = torch.exp(s - lse.to(dtype)).masked_fill(dead, 0.0)
+    out = p @ v
+    return out, lse.squeeze(-1).masked_fill(dead.squeeze(-1), float("-inf"))
