@@ -29,25 +29,26 @@ def _check_tensor(name: str, x) -> None:
         raise ValueError(f"{name} must be unit-stride in the head dimension (last), got strides {x.stride()}")
 
 
-def _check_qkv(q, k, v) -> None:
-    """q: (B, H, Lq, D), k/v: (B, Hk, Lk, D) views."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
+def _check_qkv(q, k, v, names=("q", "k", "v")) -> None:
+    """q: (B, H, Lq, D), k/v: (B, Hk, Lk, D) views; `names` are the caller's argument names."""
+    qn, kn, vn = names
+    for name, x in zip(names, (q, k, v)):
         _check_tensor(name, x)
-    for name, x in (("k", k), ("v", v)):
+    for name, x in ((kn, k), (vn, v)):
         if x.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}")
+            raise TypeError(f"{name} has dtype {x.dtype} but {qn} has {q.dtype}")
         if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
+            raise ValueError(f"{name} is on {x.device} but {qn} is on {q.device}")
         if x.shape[0] != q.shape[0]:
-            raise ValueError(f"{name} has batch size {x.shape[0]} but q has {q.shape[0]}")
+            raise ValueError(f"{name} has batch size {x.shape[0]} but {qn} has {q.shape[0]}")
         if x.shape[-1] != q.shape[-1]:
-            raise ValueError(f"{name} has head_dim {x.shape[-1]} but q has {q.shape[-1]}")
+            raise ValueError(f"{name} has head_dim {x.shape[-1]} but {qn} has {q.shape[-1]}")
     if v.shape[1] != k.shape[1]:
-        raise ValueError(f"v has {v.shape[1]} heads but k has {k.shape[1]}")
+        raise ValueError(f"{vn} has {v.shape[1]} heads but {kn} has {k.shape[1]}")
     if v.shape[2] != k.shape[2]:
-        raise ValueError(f"v has sequence length {v.shape[2]} but k has {k.shape[2]}")
+        raise ValueError(f"{vn} has sequence length {v.shape[2]} but {kn} has {k.shape[2]}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"the number of query heads ({q.shape[1]}) must be a multiple of the "
+        raise ValueError(f"the number of heads of {qn} ({q.shape[1]}) must be a multiple of the "
                          f"number of key/value heads ({k.shape[1]})")
     if not 0 < q.shape[-1] <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {q.shape[-1]}")
@@ -105,7 +106,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     it may be combined with `is_causal`. With `enable_gqa`, H must be a multiple of Hk.
     A query row that sees no key returns zeros (torch's math path does the same).
     """
-    _check_qkv(query, key, value)
+    _check_qkv(query, key, value, ("query", "key", "value"))
     if key.shape[1] != query.shape[1] and not enable_gqa:
         raise ValueError(f"query has {query.shape[1]} heads but key has {key.shape[1]}; "
                          "pass enable_gqa=True for grouped-query attention")

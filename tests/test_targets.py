@@ -1,0 +1,20 @@
+"""Build-only checks for targets this machine cannot run: the kernels must keep compiling
+for AVX512 (Sapphire Rapids) and vectorise onto zmm FMAs there."""
+import pytest
+
+from tvmflash import AttentionSpec
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_builds_for_sapphirerapids(dtype):
+    import tvm
+
+    from tvmflash.build import KERNELS, build_module
+
+    target = tvm.target.Target({"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 16})
+    lib = build_module(AttentionSpec(dtype=dtype, head_dim=64, causal="bottom_right", mask="bool"), target)
+    for name in KERNELS:
+        assert lib[name] is not None
+    asm = lib.mod.inspect_source("asm")
+    assert asm.count("zmm") > 100
+    assert "vfmadd231ps\t%zmm" in asm or "vfmadd231ps %zmm" in asm
