@@ -1,0 +1,3 @@
+from tvmflash.cli import main
+
+main()
