@@ -20,6 +20,7 @@ DEFAULTS = {"block_q": 64, "block_k": 64}
 RULES = {
     # transposing loads and per-query reductions over S^T tiles
     "load_qT": swap_and_vectorize, "load_doT": swap_and_vectorize,
+    "load_kT": swap_and_vectorize, "load_vT": swap_and_vectorize,
     "rowmax": swap_and_vectorize, "rowsum": swap_and_vectorize,
     # matmuls: out[r, c] += a[r, k] * b[k, c]
     "qk": register_tile, "dp": register_tile, "pv": register_tile,
@@ -28,7 +29,7 @@ RULES = {
     "load_q": vectorize_inner, "load_do": vectorize_inner, "load_k": vectorize_inner,
     "load_v": vectorize_inner, "init_acc": vectorize_inner, "score": vectorize_inner,
     "p": vectorize_inner, "ds": vectorize_inner, "store_o": vectorize_inner,
-    "store_dq": vectorize_inner, "store_dkdv": vectorize_inner,
+    "zero_dq": vectorize_inner, "store_dq": vectorize_inner, "store_dkdv": vectorize_inner,
 }
 
 

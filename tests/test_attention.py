@@ -3,6 +3,9 @@
 Error budget (flash-attn's rule): |ours - ref64| <= 2 * |torch-in-input-dtype - ref64| + floor.
 Cases are grouped by spec so each compiled module is built once per run (shared cache).
 """
+import os
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -23,12 +26,30 @@ def assert_close(name, ours, ref64, low, dtype):
     assert err <= budget, f"{name}: max error {err:.3g} > budget {budget:.3g}"
 
 
+@contextmanager
+def backward_plan(plan):
+    """Force one of the two backward paths (see tvmflash.ops.backward_plan)."""
+    old = os.environ.get("TVMFLASH_BACKWARD")
+    os.environ["TVMFLASH_BACKWARD"] = plan
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TVMFLASH_BACKWARD"]
+        else:
+            os.environ["TVMFLASH_BACKWARD"] = old
+
+
 def check_against_reference(q, k, v, dout, run, causal="none", mask=None, scale=None):
-    """q/k/v/dout in (B, H, L, D); `run(q, k, v)` returns (out, lse) in that layout."""
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out, lse = run(*leaves)
-    out.backward(dout)
-    grads = [x.grad for x in leaves]
+    """q/k/v/dout in (B, H, L, D); `run(q, k, v)` returns (out, lse) in that layout.
+    Gradients are checked on both backward paths."""
+    grads = {}
+    for plan in ("fused", "split"):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        out, lse = run(*leaves)
+        with backward_plan(plan):
+            out.backward(dout)
+        grads[plan] = [x.grad for x in leaves]
 
     def reference(dtype):
         xs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
@@ -45,8 +66,9 @@ def check_against_reference(q, k, v, dout, run, causal="none", mask=None, scale=
         fin = ~l64.isinf()
         assert (lse.double()[fin] - l64[fin]).abs().max().item() <= 2e-4 if fin.any() else True
         assert (lse[~fin] < 0).all(), "lse of a fully masked row must be -inf"
-    for name, ours, r64, rlow in zip(("dq", "dk", "dv"), grads, g64, glow):
-        assert_close(name, ours, r64, rlow, q.dtype)
+    for plan, plan_grads in grads.items():
+        for name, ours, r64, rlow in zip(("dq", "dk", "dv"), plan_grads, g64, glow):
+            assert_close(f"{name} ({plan})", ours, r64, rlow, q.dtype)
 
 
 def make(b, h, hk, lq, lk, d, dtype, seed=0):
@@ -175,13 +197,15 @@ def test_lse_gradient_flows():
         assert (ours.double() - ref).abs().max() < 1e-5
 
 
-def test_backward_is_bitwise_deterministic():
+@pytest.mark.parametrize("plan", ["fused", "split"])
+def test_backward_is_bitwise_deterministic(plan):
     q, k, v, dout = make(2, 4, 2, 150, 190, 64, torch.float32)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
 
     def grads():
         out = tvmflash.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        return torch.autograd.grad(out, (q, k, v), dout)
+        with backward_plan(plan):
+            return torch.autograd.grad(out, (q, k, v), dout)
     first, second = grads(), grads()
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 

@@ -11,6 +11,7 @@ TVM is imported here, lazily: `import tvmflash` does not pay for it.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -26,7 +27,7 @@ from ._paths import PACKAGE_DIR, SCHEDULES_DIR
 from .spec import AttentionSpec
 from .tuning import tuned_knobs
 
-KERNELS = ("forward", "backward_delta", "backward_dkdv", "backward_dq")
+KERNELS = ("forward", "backward_delta", "backward_dkdv", "backward_dq", "backward_fused")
 
 _modules: dict = {}
 _lock = threading.Lock()
@@ -52,6 +53,7 @@ def cache_dir() -> Path:
     return path
 
 
+@functools.lru_cache(maxsize=None)
 def host_target():
     tvm = _tvm()
     return tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(),
@@ -88,6 +90,7 @@ def build_module(spec: AttentionSpec, target):
         "backward_delta": backward_delta_kernel(spec, bq),
         "backward_dkdv": backward_dkdv_kernel(spec, bq, bk),
         "backward_dq": backward_dq_kernel(spec, bq, bk),
+        "backward_fused": backward_dkdv_kernel(spec, bq, bk, fuse_dq=True),
     })
     sch = tvm.s_tir.Schedule(mod)
     vl = host.vector_length(target)

@@ -7,6 +7,7 @@ as views, so q/k/v are never copied. Tensors go to the TVM functions directly (D
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -67,6 +68,17 @@ def _(q, k, v, mask, scale, causal):
     return torch.empty_like(q), q.new_empty((B, H, Lq), dtype=torch.float32)
 
 
+def backward_plan(batch: int, heads_k: int) -> str:
+    """"fused" (one task per (batch, kv-head), 5 matmuls) when those tasks fill the threads
+    evenly, else "split" (kv-block tasks + q-block tasks, 7 matmuls, always parallel enough).
+    TVMFLASH_BACKWARD=fused|split overrides (benchmarks, tests)."""
+    forced = os.environ.get("TVMFLASH_BACKWARD", "auto")
+    if forced in ("fused", "split"):
+        return forced
+    tasks, threads = batch * heads_k, torch.get_num_threads()
+    return "fused" if tasks >= threads and (tasks % threads == 0 or tasks >= 4 * threads) else "split"
+
+
 @torch.library.custom_op("tvmflash::attention_backward", mutates_args=())
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
@@ -87,8 +99,12 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     kern["backward_delta"](out, dout, delta)
     if dlse is not None:
         delta.sub_(dlse)
-    kern["backward_dkdv"](q, k, v, dout, lse, delta, dk, dv, scale, *masks)
-    kern["backward_dq"](q, k, v, dout, lse, delta, dq, scale, *masks)
+    if backward_plan(B, k.shape[1]) == "fused":
+        dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        kern["backward_fused"](q, k, v, dout, lse, delta, dk, dv, dq, dq_acc, scale, *masks)
+    else:
+        kern["backward_dkdv"](q, k, v, dout, lse, delta, dk, dv, scale, *masks)
+        kern["backward_dq"](q, k, v, dout, lse, delta, dq, scale, *masks)
     return dq, dk, dv
 
 

@@ -1,15 +1,19 @@
-"""Flash-attention backward in s_tir TensorIR, three kernels, all deterministic (no atomics):
+"""Flash-attention backward in s_tir TensorIR:
 
 - `backward_delta`: delta = rowsum(dO * O) (fp32), one task per (batch, head, q-block);
 - `backward_dkdv`: one task per (batch, kv-head, kv-block); for every query head of the group
   and every q-block that can see the kv-block: recompute P = exp(S - lse), then
   dV += P^T dO, dP = dO V^T, dS = P * (dP - delta), dK += dS^T Q;
-- `backward_dq`: one task per (batch, head, q-block) over its kv-blocks: dQ = scale * dS K.
+- `backward_dq`: one task per (batch, head, q-block) over its kv-blocks: dQ = scale * dS K;
+- `backward_fused`: `backward_dkdv` with one task per (batch, kv-head) walking all its
+  kv-blocks, which then also owns dQ of its query heads and accumulates dQ += dS K (fp32,
+  unscaled) in the same pass: 5 matmuls instead of 7, for shapes with enough (batch, head)
+  pairs to fill the cores.
 
-dQ is accumulated per q-block by its own task (recomputing S and dP once more) instead of with
-atomics across kv-block tasks: every gradient is bitwise reproducible and nothing is shared
-between threads. Same transposed (kv x q) tiles and block names as the forward, so the
-schedules reuse their rules. Q is pre-scaled, which makes dK = dS^T (scale Q) come out scaled.
+Neither path uses atomics: dQ is accumulated per q-block by its own task (recomputing S and dP
+once more), or by the single task that owns the head. Every gradient is bitwise reproducible.
+Same transposed (kv x q) tiles and block names as the forward, so the schedules reuse their
+rules. Q is pre-scaled, which makes dK = dS^T (scale Q) come out scaled.
 """
 from __future__ import annotations
 
@@ -68,7 +72,11 @@ def backward_delta_kernel(spec: AttentionSpec, block_q: int = 64) -> tirx.PrimFu
     return delta_fn.with_attr("global_symbol", "backward_delta")
 
 
-def backward_dkdv_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 64) -> tirx.PrimFunc:
+def backward_dkdv_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 64,
+                         fuse_dq: bool = False) -> tirx.PrimFunc:
+    """K and V stay in the task while Q and dO stream past, so scores are kept un-transposed
+    here, S (block_q x block_k): the streamed tiles are read row-major and only the task's own
+    K and V are transposed, once."""
     D, BQ, BK, dt = spec.head_dim, block_q, block_k, spec.dtype
     shape = Shape.fresh()
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
@@ -78,130 +86,162 @@ def backward_dkdv_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 
         q, k, v, do, lse, delta = _declare_common(spec, shape, args)
         dk = args.tensor("dk", (B, HK, LK, D), dt)
         dv = args.tensor("dv", (B, HK, LK, D), dt)
+        # fused: dQ and its fp32 accumulator (scratch: the kernel zeroes it)
+        dq = args.tensor("dq", (B, H, LQ, D), dt) if fuse_dq else None
+        dq_acc = args.tensor("dq_acc", (B, H, LQ, D), F32) if fuse_dq else None
         scale = args.scalar("scale")
-        return q, k, v, do, lse, delta, dk, dv, scale, ScorePipeline(spec.modifiers(), args, shape)
+        return q, k, v, do, lse, delta, dk, dv, dq, dq_acc, scale, ScorePipeline(spec.modifiers(), args, shape)
 
     @T.prim_func(s_tir=True)
     def dkdv_fn():
         T.func_attr({"tirx.noalias": True})
-        Q, K, V, DO, LSE, DELTA, DK, DV, scale, score = T.meta_var(declare())
+        Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_ACC, scale, score = T.meta_var(declare())
         NKB = T.meta_var((LK + BK - 1) // BK)
+        # tasks per (batch, kv-head) and kv-blocks per task
+        SPLIT, TASK_KB = T.meta_var((1, NKB) if fuse_dq else (NKB, 1))
         G = T.meta_var(H // HK)
-        for t in T.parallel(B * HK * NKB):
-            with T.sblock("tile"):
-                vb = T.axis.spatial(B, t // (HK * NKB))
-                vhk = T.axis.spatial(HK, t // NKB % HK)
-                vkb = T.axis.spatial(NKB, t % NKB)
-                kf = T.sblock_alloc_buffer((BK, D), F32)
-                vf = T.sblock_alloc_buffer((BK, D), F32)
-                dk_acc = T.sblock_alloc_buffer((BK, D), F32)
-                dv_acc = T.sblock_alloc_buffer((BK, D), F32)
-                k0 = T.meta_var(vkb * BK)
-                q_lo, q_hi = T.meta_var(score.q_range(k0, T.min(k0 + BK, LK)))
-                qb_lo = T.meta_var(T.max(q_lo, 0) // BQ)
-                qb_hi = T.meta_var(T.max((q_hi + BQ - 1) // BQ, qb_lo))
-                for j, d in T.grid(BK, D):
-                    with T.sblock("load_k"):
-                        vj, vd = T.axis.remap("SS", [j, d])
-                        kf[vj, vd] = T.Cast(F32, K[vb, vhk, T.min(k0 + vj, LK - 1), vd])
-                for j, d in T.grid(BK, D):
-                    with T.sblock("load_v"):
-                        vj, vd = T.axis.remap("SS", [j, d])
-                        vf[vj, vd] = T.Cast(F32, V[vb, vhk, T.min(k0 + vj, LK - 1), vd])
-                for j, d in T.grid(BK, D):
-                    with T.sblock("init_acc"):
-                        vj, vd = T.axis.remap("SS", [j, d])
-                        dk_acc[vj, vd] = T.float32(0)
-                        dv_acc[vj, vd] = T.float32(0)
-                for g, qb in T.grid(G, qb_hi - qb_lo):
-                    with T.sblock("q_step"):
-                        vg = T.axis.opaque(G, g)
-                        vqb = T.axis.opaque((LQ + BQ - 1) // BQ, qb_lo + qb)
-                        qT = T.sblock_alloc_buffer((D, BQ), F32)
-                        qs = T.sblock_alloc_buffer((BQ, D), F32)
-                        doT = T.sblock_alloc_buffer((D, BQ), F32)
-                        dos = T.sblock_alloc_buffer((BQ, D), F32)
-                        lse_t = T.sblock_alloc_buffer((BQ,), F32)
-                        delta_t = T.sblock_alloc_buffer((BQ,), F32)
-                        sT = T.sblock_alloc_buffer((BK, BQ), F32)
-                        pT = T.sblock_alloc_buffer((BK, BQ), F32)
-                        dpT = T.sblock_alloc_buffer((BK, BQ), F32)
-                        dsT = T.sblock_alloc_buffer((BK, BQ), F32)
-                        dk_part = T.sblock_alloc_buffer((BK, D), F32)
-                        dv_part = T.sblock_alloc_buffer((BK, D), F32)
-                        vh = T.meta_var(vhk * G + vg)
-                        q0 = T.meta_var(vqb * BQ)
-                        row = T.meta_var(lambda i: T.min(q0 + i, LQ - 1))
-                        inside = T.meta_var(lambda i: q0 + i < LQ)
-                        for i, d in T.grid(BQ, D):
-                            with T.sblock("load_qT"):
-                                vi, vd = T.axis.remap("SS", [i, d])
-                                qT[vd, vi] = T.Cast(F32, Q[vb, vh, row(vi), vd]) * scale
-                        for i, d in T.grid(BQ, D):
-                            with T.sblock("load_q"):
-                                vi, vd = T.axis.remap("SS", [i, d])
-                                qs[vi, vd] = T.Cast(F32, Q[vb, vh, row(vi), vd]) * scale
-                        for i, d in T.grid(BQ, D):
-                            with T.sblock("load_doT"):
-                                vi, vd = T.axis.remap("SS", [i, d])
-                                doT[vd, vi] = T.Select(inside(vi), T.Cast(F32, DO[vb, vh, row(vi), vd]), T.float32(0))
-                        for i, d in T.grid(BQ, D):
-                            with T.sblock("load_do"):
-                                vi, vd = T.axis.remap("SS", [i, d])
-                                dos[vi, vd] = T.Select(inside(vi), T.Cast(F32, DO[vb, vh, row(vi), vd]), T.float32(0))
-                        for i in T.serial(BQ):
-                            with T.sblock("load_stats"):
-                                vi = T.axis.remap("S", [i])
-                                # lse = -inf marks a query that sees no key: +inf makes its p 0
-                                lse_t[vi] = T.Select(LSE[vb, vh, row(vi)] == NEG_INF, POS_INF, LSE[vb, vh, row(vi)])
-                                delta_t[vi] = T.Select(inside(vi), DELTA[vb, vh, row(vi)], T.float32(0))
-                        for j, i, d in T.grid(BK, BQ, D):
-                            with T.sblock("qk"):
-                                vj, vi, vd = T.axis.remap("SSR", [j, i, d])
-                                with T.init():
-                                    sT[vj, vi] = T.float32(0)
-                                sT[vj, vi] = sT[vj, vi] + kf[vj, vd] * qT[vd, vi]
-                        for j, i in T.grid(BK, BQ):
-                            with T.sblock("p"):
-                                vj, vi = T.axis.remap("SS", [j, i])
-                                pT[vj, vi] = fast_exp(score(sT[vj, vi], ScoreIndex(vb, vh, q0 + vi, k0 + vj)) - lse_t[vi])
-                        for j, d, i in T.grid(BK, D, BQ):
-                            with T.sblock("dv"):
-                                vj, vd, vi = T.axis.remap("SSR", [j, d, i])
-                                with T.init():
-                                    dv_part[vj, vd] = T.float32(0)
-                                dv_part[vj, vd] = dv_part[vj, vd] + pT[vj, vi] * dos[vi, vd]
-                        for j, i, d in T.grid(BK, BQ, D):
-                            with T.sblock("dp"):
-                                vj, vi, vd = T.axis.remap("SSR", [j, i, d])
-                                with T.init():
-                                    dpT[vj, vi] = T.float32(0)
-                                dpT[vj, vi] = dpT[vj, vi] + vf[vj, vd] * doT[vd, vi]
-                        for j, i in T.grid(BK, BQ):
-                            with T.sblock("ds"):
-                                vj, vi = T.axis.remap("SS", [j, i])
-                                dsT[vj, vi] = pT[vj, vi] * (dpT[vj, vi] - delta_t[vi]) * score.grad(
-                                    sT[vj, vi], ScoreIndex(vb, vh, q0 + vi, k0 + vj))
-                        for j, d, i in T.grid(BK, D, BQ):
-                            with T.sblock("dk"):
-                                vj, vd, vi = T.axis.remap("SSR", [j, d, i])
-                                with T.init():
-                                    dk_part[vj, vd] = T.float32(0)
-                                dk_part[vj, vd] = dk_part[vj, vd] + dsT[vj, vi] * qs[vi, vd]
-                        for j in T.serial(BK):
-                            for d in T.vectorized(D):
-                                with T.sblock("acc_update"):
-                                    vj, vd = T.axis.remap("SS", [j, d])
-                                    dv_acc[vj, vd] = dv_acc[vj, vd] + dv_part[vj, vd]
-                                    dk_acc[vj, vd] = dk_acc[vj, vd] + dk_part[vj, vd]
-                for j, d in T.grid(BK, D):
-                    with T.sblock("store_dkdv"):
-                        vj, vd = T.axis.remap("SS", [j, d])
-                        T.where(k0 + j < LK)
-                        DK[vb, vhk, k0 + vj, vd] = T.Cast(dt, dk_acc[vj, vd])
-                        DV[vb, vhk, k0 + vj, vd] = T.Cast(dt, dv_acc[vj, vd])
+        for t in T.parallel(B * HK * SPLIT):
+            if fuse_dq:
+                for g, i, d in T.grid(G, LQ, D):
+                    with T.sblock("zero_dq"):
+                        vt, vg, vi, vd = T.axis.remap("SSSS", [t, g, i, d])
+                        DQ_ACC[vt // HK, vt % HK * G + vg, vi, vd] = T.float32(0)
+            for kbt in T.serial(TASK_KB):
+                with T.sblock("tile"):
+                    vb = T.axis.spatial(B, t // (HK * SPLIT))
+                    vhk = T.axis.spatial(HK, t // SPLIT % HK)
+                    vkb = T.axis.opaque(NKB, t % SPLIT * TASK_KB + kbt)
+                    kT = T.sblock_alloc_buffer((D, BK), F32)
+                    vT = T.sblock_alloc_buffer((D, BK), F32)
+                    dk_acc = T.sblock_alloc_buffer((BK, D), F32)
+                    dv_acc = T.sblock_alloc_buffer((BK, D), F32)
+                    k0 = T.meta_var(vkb * BK)
+                    key = T.meta_var(lambda j: T.min(k0 + j, LK - 1))
+                    q_lo, q_hi = T.meta_var(score.q_range(k0, T.min(k0 + BK, LK)))
+                    qb_lo = T.meta_var(T.max(q_lo, 0) // BQ)
+                    qb_hi = T.meta_var(T.max((q_hi + BQ - 1) // BQ, qb_lo))
+                    for j, d in T.grid(BK, D):
+                        with T.sblock("load_kT"):
+                            vj, vd = T.axis.remap("SS", [j, d])
+                            kT[vd, vj] = T.Cast(F32, K[vb, vhk, key(vj), vd])
+                    for j, d in T.grid(BK, D):
+                        with T.sblock("load_vT"):
+                            vj, vd = T.axis.remap("SS", [j, d])
+                            vT[vd, vj] = T.Cast(F32, V[vb, vhk, key(vj), vd])
+                    if fuse_dq:
+                        kf = T.sblock_alloc_buffer((BK, D), F32)
+                        for j, d in T.grid(BK, D):
+                            with T.sblock("load_k"):
+                                vj, vd = T.axis.remap("SS", [j, d])
+                                kf[vj, vd] = T.Cast(F32, K[vb, vhk, key(vj), vd])
+                    for j, d in T.grid(BK, D):
+                        with T.sblock("init_acc"):
+                            vj, vd = T.axis.remap("SS", [j, d])
+                            dk_acc[vj, vd] = T.float32(0)
+                            dv_acc[vj, vd] = T.float32(0)
+                    for g, qb in T.grid(G, qb_hi - qb_lo):
+                        with T.sblock("q_step"):
+                            vg = T.axis.opaque(G, g)
+                            vqb = T.axis.opaque((LQ + BQ - 1) // BQ, qb_lo + qb)
+                            qs = T.sblock_alloc_buffer((BQ, D), F32)
+                            dos = T.sblock_alloc_buffer((BQ, D), F32)
+                            lse_t = T.sblock_alloc_buffer((BQ,), F32)
+                            delta_t = T.sblock_alloc_buffer((BQ,), F32)
+                            s = T.sblock_alloc_buffer((BQ, BK), F32)
+                            p = T.sblock_alloc_buffer((BQ, BK), F32)
+                            dp = T.sblock_alloc_buffer((BQ, BK), F32)
+                            ds = T.sblock_alloc_buffer((BQ, BK), F32)
+                            dk_part = T.sblock_alloc_buffer((BK, D), F32)
+                            dv_part = T.sblock_alloc_buffer((BK, D), F32)
+                            vh = T.meta_var(vhk * G + vg)
+                            q0 = T.meta_var(vqb * BQ)
+                            row = T.meta_var(lambda i: T.min(q0 + i, LQ - 1))
+                            inside = T.meta_var(lambda i: q0 + i < LQ)
+                            for i, d in T.grid(BQ, D):
+                                with T.sblock("load_q"):
+                                    vi, vd = T.axis.remap("SS", [i, d])
+                                    qs[vi, vd] = T.Cast(F32, Q[vb, vh, row(vi), vd]) * scale
+                            for i, d in T.grid(BQ, D):
+                                with T.sblock("load_do"):
+                                    vi, vd = T.axis.remap("SS", [i, d])
+                                    dos[vi, vd] = T.Select(inside(vi), T.Cast(F32, DO[vb, vh, row(vi), vd]),
+                                                           T.float32(0))
+                            for i in T.serial(BQ):
+                                with T.sblock("load_stats"):
+                                    vi = T.axis.remap("S", [i])
+                                    # lse = -inf marks a query that sees no key: +inf makes its p 0
+                                    lse_t[vi] = T.Select(LSE[vb, vh, row(vi)] == NEG_INF, POS_INF,
+                                                         LSE[vb, vh, row(vi)])
+                                    delta_t[vi] = T.Select(inside(vi), DELTA[vb, vh, row(vi)], T.float32(0))
+                            for i, j, d in T.grid(BQ, BK, D):
+                                with T.sblock("qk"):
+                                    vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                                    with T.init():
+                                        s[vi, vj] = T.float32(0)
+                                    s[vi, vj] = s[vi, vj] + qs[vi, vd] * kT[vd, vj]
+                            for i, j in T.grid(BQ, BK):
+                                with T.sblock("p"):
+                                    vi, vj = T.axis.remap("SS", [i, j])
+                                    p[vi, vj] = fast_exp(
+                                        score(s[vi, vj], ScoreIndex(vb, vh, q0 + vi, k0 + vj)) - lse_t[vi])
+                            for j, d, i in T.grid(BK, D, BQ):
+                                with T.sblock("dv"):
+                                    vj, vd, vi = T.axis.remap("SSR", [j, d, i])
+                                    with T.init():
+                                        dv_part[vj, vd] = T.float32(0)
+                                    dv_part[vj, vd] = dv_part[vj, vd] + p[vi, vj] * dos[vi, vd]
+                            for i, j, d in T.grid(BQ, BK, D):
+                                with T.sblock("dp"):
+                                    vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                                    with T.init():
+                                        dp[vi, vj] = T.float32(0)
+                                    dp[vi, vj] = dp[vi, vj] + dos[vi, vd] * vT[vd, vj]
+                            for i, j in T.grid(BQ, BK):
+                                with T.sblock("ds"):
+                                    vi, vj = T.axis.remap("SS", [i, j])
+                                    ds[vi, vj] = p[vi, vj] * (dp[vi, vj] - delta_t[vi]) * score.grad(
+                                        s[vi, vj], ScoreIndex(vb, vh, q0 + vi, k0 + vj))
+                            for j, d, i in T.grid(BK, D, BQ):
+                                with T.sblock("dk"):
+                                    vj, vd, vi = T.axis.remap("SSR", [j, d, i])
+                                    with T.init():
+                                        dk_part[vj, vd] = T.float32(0)
+                                    dk_part[vj, vd] = dk_part[vj, vd] + ds[vi, vj] * qs[vi, vd]
+                            for j in T.serial(BK):
+                                for d in T.vectorized(D):
+                                    with T.sblock("acc_update"):
+                                        vj, vd = T.axis.remap("SS", [j, d])
+                                        dv_acc[vj, vd] = dv_acc[vj, vd] + dv_part[vj, vd]
+                                        dk_acc[vj, vd] = dk_acc[vj, vd] + dk_part[vj, vd]
+                            if fuse_dq:
+                                dq_part = T.sblock_alloc_buffer((BQ, D), F32)
+                                for i, d, j in T.grid(BQ, D, BK):
+                                    with T.sblock("dq"):
+                                        vi, vd, vj = T.axis.remap("SSR", [i, d, j])
+                                        with T.init():
+                                            dq_part[vi, vd] = T.float32(0)
+                                        dq_part[vi, vd] = dq_part[vi, vd] + ds[vi, vj] * kf[vj, vd]
+                                for i in T.serial(BQ):
+                                    for d in T.vectorized(D):
+                                        with T.sblock("dq_update"):
+                                            vi, vd = T.axis.remap("SS", [i, d])
+                                            T.where(q0 + i < LQ)
+                                            DQ_ACC[vb, vh, q0 + vi, vd] = DQ_ACC[vb, vh, q0 + vi, vd] + dq_part[vi, vd]
+                    for j, d in T.grid(BK, D):
+                        with T.sblock("store_dkdv"):
+                            vj, vd = T.axis.remap("SS", [j, d])
+                            T.where(k0 + j < LK)
+                            DK[vb, vhk, k0 + vj, vd] = T.Cast(dt, dk_acc[vj, vd])
+                            DV[vb, vhk, k0 + vj, vd] = T.Cast(dt, dv_acc[vj, vd])
 
-    return dkdv_fn.with_attr("global_symbol", "backward_dkdv")
+            if fuse_dq:
+                for g, i, d in T.grid(G, LQ, D):
+                    with T.sblock("store_dq"):
+                        vt, vg, vi, vd = T.axis.remap("SSSS", [t, g, i, d])
+                        DQ[vt // HK, vt % HK * G + vg, vi, vd] = T.Cast(
+                            dt, DQ_ACC[vt // HK, vt % HK * G + vg, vi, vd] * scale)
+
+    return dkdv_fn.with_attr("global_symbol", "backward_fused" if fuse_dq else "backward_dkdv")
 
 
 def backward_dq_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 64) -> tirx.PrimFunc:
