@@ -55,9 +55,11 @@ def cache_dir() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def host_target():
+    """LLVM for this CPU; TVMFLASH_HOST_MCPU overrides the CPU model (e.g. `haswell` for an
+    AVX2-only build on an AVX512 machine)."""
     tvm = _tvm()
-    return tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(),
-                              "num-cores": os.cpu_count() or 1})
+    mcpu = os.environ.get("TVMFLASH_HOST_MCPU") or tvm.target.codegen.llvm_get_system_cpu()
+    return tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": os.cpu_count() or 1})
 
 
 def _sources_digest() -> str:
