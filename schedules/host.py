@@ -33,9 +33,9 @@ RULES = {
 }
 
 
-def vector_length(target) -> int:
-    """fp32 lanes of the target's widest vector unit."""
-    text = str(target.attrs.get("mcpu", "")) + " " + " ".join(str(a) for a in target.attrs.get("mattr", []))
+def vector_length(target: dict) -> int:
+    """fp32 lanes of the widest vector unit of an LLVM target (as a TVM target dict)."""
+    text = target.get("mcpu", "") + " " + " ".join(target.get("mattr", []))
     avx512 = ("avx512", "sapphirerapids", "skylake-avx512", "icelake", "cascadelake", "cooperlake",
               "tigerlake", "rocketlake", "graniterapids", "emeraldrapids", "znver4", "znver5")
     return 16 if any(s in text for s in avx512) else 8

@@ -6,16 +6,16 @@ import math
 import torch
 
 
-def keep_mask(lq, lk, causal="none", mask=None, shape=None):
+def keep_mask(lq, lk, causal="none", mask=None, shape=None, device="cpu"):
     """Boolean (.., Lq, Lk) 'may attend' mask for the causal mode and a bool mask."""
-    i = torch.arange(lq)[:, None]
-    j = torch.arange(lk)[None, :]
+    i = torch.arange(lq, device=device)[:, None]
+    j = torch.arange(lk, device=device)[None, :]
     if causal == "top_left":
         keep = j <= i
     elif causal == "bottom_right":
         keep = j <= i + (lk - lq)
     else:
-        keep = torch.ones(lq, lk, dtype=torch.bool)
+        keep = torch.ones(lq, lk, dtype=torch.bool, device=device)
     if mask is not None and mask.dtype == torch.bool:
         keep = keep & mask
     return keep.expand(shape) if shape is not None else keep
@@ -31,7 +31,7 @@ def attention(q, k, v, causal="none", mask=None, scale=None, dtype=None):
     s = (q @ k.transpose(-1, -2)) * scale
     if mask is not None and mask.dtype != torch.bool:
         s = s + mask.to(dtype)
-    keep = keep_mask(q.shape[2], k.shape[2], causal, mask, s.shape)
+    keep = keep_mask(q.shape[2], k.shape[2], causal, mask, s.shape, s.device)
     s = s.masked_fill(~keep, float("-inf"))
     dead = ~keep.any(-1, keepdim=True) | (s == float("-inf")).all(-1, keepdim=True)
     s = s.masked_fill(dead, 0.0)

@@ -30,6 +30,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 import warnings
 from datetime import datetime, timezone
@@ -115,14 +116,18 @@ def _interleaved_median_ms(fns: dict[str, Callable[[], object]], rounds: int, it
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def _warm_up(attention: Attention, q, k, v, grad_out, warmup: int, device: str) -> tuple[torch.Tensor, float]:
+def _warm_up(attention: Attention, q, k, v, grad_out, warmup: int, device: str,
+             backward: bool = True) -> tuple[torch.Tensor, float]:
     """Run ``warmup`` forward+backward calls, then one timed call; return its output (graph kept) and ms."""
     for _ in range(warmup):
-        torch.autograd.grad(attention(q, k, v), (q, k, v), grad_out)
+        out = attention(q, k, v)
+        if backward:
+            torch.autograd.grad(out, (q, k, v), grad_out)
     _sync(device)
     t0 = time.perf_counter()
     out = attention(q, k, v)
-    torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
+    if backward:
+        torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
     _sync(device)
     return out, (time.perf_counter() - t0) * 1e3
 
@@ -151,6 +156,7 @@ def _bench_point(
     rounds: int,
     iters: int | None,
     warmup: int,
+    backward: bool,
     status: Callable[[str], None],
 ) -> dict:
     torch.manual_seed(0)
@@ -167,23 +173,26 @@ def _bench_point(
             with warnings.catch_warnings():
                 if name not in REQUIRED:
                     warnings.simplefilter("ignore")  # sdpa_kernel warns about every backend it can't use
-                outs[name], call_ms[name] = _warm_up(attention, q, k, v, grad_out, warmup, device)
+                outs[name], call_ms[name] = _warm_up(attention, q, k, v, grad_out, warmup, device, backward)
         except RuntimeError:
             if name in REQUIRED:
                 raise
-    n_iters = iters or _auto_iters(max(call_ms.values()) / 3.5)  # a fwd+bwd call is ~3.5 forwards
+    n_iters = iters or _auto_iters(max(call_ms.values()) / (3.5 if backward else 1))  # fwd+bwd ~ 3.5 fwd
 
     status("timing forward")
     fwd = _interleaved_median_ms(
         {name: (lambda a=impls[name]: a(q, k, v)) for name in outs}, rounds, n_iters, device
     )
-    status("timing backward")
-    bwd = _interleaved_median_ms(
-        {name: (lambda o=out: torch.autograd.grad(o, (q, k, v), grad_out, retain_graph=True)) for name, out in outs.items()},
-        rounds,
-        n_iters,
-        device,
-    )
+    bwd = dict.fromkeys(outs)
+    if backward:
+        status("timing backward")
+        bwd = _interleaved_median_ms(
+            {name: (lambda o=out: torch.autograd.grad(o, (q, k, v), grad_out, retain_graph=True))
+             for name, out in outs.items()},
+            rounds,
+            n_iters,
+            device,
+        )
 
     gflop_fwd = flops_forward(batch, heads, seqlen, head_dim, causal) / 1e9
     gflop_bwd = 2.5 * gflop_fwd
@@ -193,7 +202,7 @@ def _bench_point(
                 "fwd_ms": fwd[name],
                 "bwd_ms": bwd[name],
                 "fwd_gflops": gflop_fwd / (fwd[name] / 1e3),
-                "bwd_gflops": gflop_bwd / (bwd[name] / 1e3),
+                "bwd_gflops": gflop_bwd / (bwd[name] / 1e3) if backward else None,
             }
             if name in outs
             else None
@@ -201,7 +210,8 @@ def _bench_point(
         for name in impls
     }
     ratios = {
-        name: {"fwd": t["fwd_ms"] / fwd["ours"], "bwd": t["bwd_ms"] / bwd["ours"]} if t else None
+        name: {"fwd": t["fwd_ms"] / fwd["ours"], "bwd": t["bwd_ms"] / bwd["ours"] if backward else None}
+        if t else None
         for name, t in timings.items()
         if name != "ours"
     }
@@ -231,14 +241,17 @@ def run(
     seqlens: Iterable[int] = (512, 2048),
     head_dims: Iterable[int] = (64, 128),
     causal: Iterable[bool] = (False,),
-    batch: int = 1,
-    heads: int = 16,
+    batch: int | None = None,
+    heads: int | None = None,
     rounds: int = 5,
     iters: int | None = None,
     warmup: int = 2,
+    backward: bool = True,
     console: Console | None = None,
 ) -> list[dict]:
     """Benchmark every (dtype, causal, head_dim, seqlen) point; one result dict per point.
+    With ``backward=False`` only the forward is timed (bwd fields are None). ``batch``/``heads``
+    None follow DESIGN.md's protocol: on CPU B=1, H=16; on CUDA B=16384/L, H=2048/D.
 
     Progress goes to ``console`` (stderr by default).
     """
@@ -265,19 +278,21 @@ def run(
                 _implementations(device, is_causal),
                 device=device,
                 dtype=dtype,
-                batch=batch,
-                heads=heads,
+                batch=batch or (16384 // seqlen if device == "cuda" else 1),
+                heads=heads or (2048 // head_dim if device == "cuda" else 16),
                 seqlen=seqlen,
                 head_dim=head_dim,
                 causal=is_causal,
                 rounds=rounds,
                 iters=iters,
                 warmup=warmup,
+                backward=backward,
                 status=status,
             )
             rows.append(row)
             r = row["ratio"][BASELINE]
-            progress.console.log(f"{label}: fwd ×{r['fwd']:.2f}  bwd ×{r['bwd']:.2f} vs {BASELINE}")
+            bwd_text = f"  bwd ×{r['bwd']:.2f}" if backward else ""
+            progress.console.log(f"{label}: fwd ×{r['fwd']:.2f}{bwd_text} vs {BASELINE}")
             progress.advance(task)
         progress.update(task, description="done")
     return rows
@@ -294,6 +309,10 @@ def geomean(values: Iterable[float | None]) -> float:
 
 def _ratios(rows: list[dict], baseline: str, pass_: str) -> list[float | None]:
     return [r["ratio"][baseline][pass_] if r["ratio"].get(baseline) else None for r in rows]
+
+
+def _fmt_gflops(ours: float | None, base: float | None, scale: float) -> str:
+    return "—" if ours is None or base is None else f"{ours / scale:.1f} / {base / scale:.1f}"
 
 
 def _baselines(rows: list[dict]) -> list[str]:
@@ -374,13 +393,26 @@ def write_results(rows: list[dict], out_dir: str | Path, tag: str) -> tuple[Path
     return json_path, png_path
 
 
+def plot_results(json_path: str | Path) -> Path:
+    """Re-draw the PNG of a results JSON written by `write_results` (beside it)."""
+    json_path = Path(json_path)
+    payload = json.loads(json_path.read_text())
+    png_path = json_path.with_suffix(".png")
+    _plot(payload["rows"], png_path, title=f"tvmflash vs torch SDPA — {payload['tag']}")
+    return png_path
+
+
 def _point_label(row: dict) -> str:
     return f"{row['dtype']}\nD{row['head_dim']} L{row['seqlen']}" + ("\ncausal" if row["causal"] else "")
 
 
 def _plot(rows: list[dict], path: Path, title: str) -> None:
     """Bar chart of the speed-up per point, one panel per pass, one bar per baseline."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # e.g. the GPU machine: plot later from the JSON (tvmflash plot)
+        print(f"matplotlib not installed: {path} not written", file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -406,7 +438,9 @@ def _plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def _fmt_ms(ms: float) -> str:
+def _fmt_ms(ms: float | None) -> str:
+    if ms is None:
+        return "—"
     return f"{ms:.3f}" if ms < 1 else f"{ms:.2f}"
 
 
@@ -459,8 +493,8 @@ def print_table(rows: list[dict], console: Console | None = None) -> None:
             _fmt_ms(ours["bwd_ms"]),
             _fmt_ms(base["bwd_ms"]),
             _fmt_ratio(r["ratio"][BASELINE]["bwd"]),
-            f"{ours['fwd_gflops'] / scale:.1f} / {base['fwd_gflops'] / scale:.1f}",
-            f"{ours['bwd_gflops'] / scale:.1f} / {base['bwd_gflops'] / scale:.1f}",
+            _fmt_gflops(ours["fwd_gflops"], base["fwd_gflops"], scale),
+            _fmt_gflops(ours["bwd_gflops"], base["bwd_gflops"], scale),
             *extra_cells([r]),
         )
 

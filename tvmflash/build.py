@@ -1,20 +1,25 @@
 """Build, cache and load compiled kernel modules.
 
-One module per (spec, target) holds the forward and the three backward functions. Modules are
-built on first use and cached as shared libraries under `$TVMFLASH_CACHE_DIR` (default
-`~/.cache/tvmflash`), keyed by the TVM version, the target, the spec and a hash of the kernel,
-schedule and tuning-record sources, so a change to any of them builds anew. Writes are atomic
-(temp file + rename) under a file lock, so concurrent processes build a spec once; a sha256
-sidecar detects a corrupt or truncated library, which is then rebuilt.
+One module per (spec, target) holds every kernel of that spec for that target. Targets are
+described by plain dicts (TVM's JSON target form), so finding a cached module needs no
+compiler: a deployment with only TVM's runtime loads what was built elsewhere.
+
+Modules are built on first use and cached as shared libraries under `$TVMFLASH_CACHE_DIR`
+(default `~/.cache/tvmflash`), keyed by the TVM version, the target, the spec and a hash of the
+kernel, schedule and tuning-record sources, so a change to any of them builds anew. Writes are
+atomic (temp file + rename) under a file lock, so concurrent processes build a spec once; a
+sha256 sidecar detects a corrupt or truncated library, which is then rebuilt.
 
 TVM is imported here, lazily: `import tvmflash` does not pay for it.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -27,7 +32,8 @@ from ._paths import PACKAGE_DIR, SCHEDULES_DIR
 from .spec import AttentionSpec
 from .tuning import tuned_knobs
 
-KERNELS = ("forward", "backward_delta", "backward_dkdv", "backward_dq", "backward_fused")
+CPU_KERNELS = ("forward", "backward_delta", "backward_dkdv", "backward_dq", "backward_fused")
+CUDA_KERNELS = ("forward",)
 
 _modules: dict = {}
 _lock = threading.Lock()
@@ -53,15 +59,40 @@ def cache_dir() -> Path:
     return path
 
 
+# ----------------------------------------------------------------------------- targets
 @functools.lru_cache(maxsize=None)
-def host_target():
+def host_target() -> dict:
     """LLVM for this CPU; TVMFLASH_HOST_MCPU overrides the CPU model (e.g. `haswell` for an
     AVX2-only build on an AVX512 machine)."""
-    tvm = _tvm()
-    mcpu = os.environ.get("TVMFLASH_HOST_MCPU") or tvm.target.codegen.llvm_get_system_cpu()
-    return tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": os.cpu_count() or 1})
+    mcpu = os.environ.get("TVMFLASH_HOST_MCPU") or _tvm().target.codegen.llvm_get_system_cpu()
+    return {"kind": "llvm", "mcpu": mcpu, "num-cores": os.cpu_count() or 1}
 
 
+def cuda_target(arch: str | None = None) -> dict:
+    """CUDA for `arch` (default: TVMFLASH_CUDA_ARCH, else sm_90a)."""
+    arch = arch or os.environ.get("TVMFLASH_CUDA_ARCH", "sm_90a")
+    return {"kind": "cuda", "arch": arch, "max_threads_per_block": 1024,
+            "max_shared_memory_per_block": 232448 if arch.startswith("sm_9") else 166912,
+            "host": {"kind": "llvm"}}
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_target_for_device(index: int) -> dict:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(index)
+    return cuda_target(f"sm_{major}{minor}{'a' if major == 9 else ''}")
+
+
+def kernels_of(target: dict) -> tuple:
+    return CUDA_KERNELS if target["kind"] == "cuda" else CPU_KERNELS
+
+
+def target_label(target: dict) -> str:
+    return target.get("arch") or target.get("mcpu") or target["kind"]
+
+
+# ----------------------------------------------------------------------------- building
 def _sources_digest() -> str:
     h = hashlib.sha256()
     for path in sorted((PACKAGE_DIR / "kernels").glob("*.py")) + sorted(SCHEDULES_DIR.glob("*.py")):
@@ -70,22 +101,34 @@ def _sources_digest() -> str:
     return h.hexdigest()
 
 
-def module_key(spec: AttentionSpec, target) -> str:
-    tvm = _tvm()
-    knobs = tuned_knobs("host", spec)
-    blob = json.dumps({"tvm": tvm.__version__, "target": str(target), "spec": repr(spec),
-                       "sources": _sources_digest(), "knobs": knobs}, sort_keys=True)
+def _tuning_kind(target: dict) -> str:
+    return "cuda" if target["kind"] == "cuda" else "host"
+
+
+def module_key(spec: AttentionSpec, target: dict) -> str:
+    import tvm  # the runtime-only import is enough here
+
+    blob = json.dumps({"tvm": tvm.__version__, "target": target, "spec": repr(spec),
+                       "sources": _sources_digest(), "knobs": tuned_knobs(_tuning_kind(target), spec)},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
-def build_module(spec: AttentionSpec, target):
-    """Generate, schedule and compile every kernel of `spec` into one module."""
+def build_module(spec: AttentionSpec, target: dict, knobs: dict | None = None):
+    """Generate, schedule and compile every kernel of `spec` for `target` into one module;
+    `knobs` override the tuned/default ones (tuning candidates)."""
+    if target["kind"] == "cuda":
+        return _build_cuda(spec, target, knobs)
+    return _build_cpu(spec, target, knobs)
+
+
+def _build_cpu(spec: AttentionSpec, target: dict, knobs: dict | None = None):
     tvm = _tvm()
     from .kernels.backward import backward_delta_kernel, backward_dkdv_kernel, backward_dq_kernel
     from .kernels.forward import forward_kernel
-
     from .schedules import host
-    knobs = {**host.DEFAULTS, **tuned_knobs("host", spec)}
+
+    knobs = {**host.DEFAULTS, **tuned_knobs("host", spec), **(knobs or {})}
     bq, bk = knobs["block_q"], knobs["block_k"]
     mod = tvm.IRModule({
         "forward": forward_kernel(spec, bq, bk),
@@ -96,27 +139,94 @@ def build_module(spec: AttentionSpec, target):
     })
     sch = tvm.s_tir.Schedule(mod)
     vl = host.vector_length(target)
-    for kernel in KERNELS:
+    for kernel in CPU_KERNELS:
         host.schedule(sch, kernel, vl, knobs)
-    return tvm.compile(sch.mod, target=target)
+    return tvm.compile(sch.mod, target=tvm.target.Target(target))
 
 
+def _build_cuda(spec: AttentionSpec, target: dict, knobs: dict | None = None):
+    tvm = _tvm()
+    from .schedules.cuda_forward import default_knobs, forward_kernel_cuda
+
+    _prepare_cuda_codegen()
+    knobs = {**default_knobs(spec), **tuned_knobs("cuda", spec), **(knobs or {})}
+    mod = tvm.IRModule({"forward": forward_kernel_cuda(spec, knobs)})
+    tvm_target = tvm.target.Target(target)
+    with tvm_target:  # the nvcc callback reads the arch from the current target
+        return tvm.compile(mod, target=tvm_target, tir_pipeline="tirx")
+
+
+# CUDA binaries, not source. TVM's codegen compiles CUDA through `tvm_callback_cuda_compile`
+# only when its CUDA runtime library is loaded; otherwise it keeps source that each loading
+# process would have to compile. That library needs the driver (libcuda.so.1), so on machines
+# without one (CI, the dev box) a stub of the nine entry points it links is built and loaded
+# first: nothing is ever launched at build time.
+_DRIVER_STUB = """/* tvmflash: stand-in for the CUDA driver at build time; every call fails */
+#define STUB(name) int name(void) { return 100; /* CUDA_ERROR_NO_DEVICE */ }
+STUB(cuDeviceGetName) STUB(cuFuncSetAttribute) STUB(cuGetErrorName) STUB(cuGetErrorString)
+STUB(cuLaunchKernelEx) STUB(cuModuleGetFunction) STUB(cuModuleLoadData) STUB(cuModuleUnload)
+STUB(cuTensorMapEncodeTiled)
+"""
+
+
+def _load_cuda_runtime() -> None:
+    """Load TVM's CUDA runtime library (`libtvm_runtime_cuda.so`), which a runtime-only TVM
+    does not load by itself; falls back to the driver stub where there is no driver."""
+    import tvm
+    import tvm_ffi
+
+    if tvm_ffi.get_global_func("ffi.Module.load_from_bytes.cuda", allow_missing=True) is not None:
+        return
+    try:
+        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        stub = cache_dir() / "driver-stub" / "libcuda.so.1"
+        if not stub.exists():
+            stub.parent.mkdir(parents=True, exist_ok=True)
+            src = stub.parent / "cuda_stub.c"
+            src.write_text(_DRIVER_STUB)
+            cc = os.environ.get("CC", "gcc")
+            _write_atomic(stub, lambda tmp: subprocess.check_call(
+                [cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", tmp, str(src)]))
+        ctypes.CDLL(str(stub), mode=ctypes.RTLD_GLOBAL)
+    ctypes.CDLL(str(Path(tvm.__file__).parent / "lib" / "libtvm_runtime_cuda.so"), mode=ctypes.RTLD_GLOBAL)
+
+
+def _nvcc_cubin(code: str) -> bytearray:
+    tvm = _tvm()
+    target = tvm.target.Target.current(allow_none=True)
+    arch = str(target.attrs["arch"]) if target is not None else "sm_90a"
+    with tempfile.TemporaryDirectory(prefix="tvmflash-nvcc-") as tmp:
+        src, out = Path(tmp) / "kernels.cu", Path(tmp) / "kernels.cubin"
+        src.write_text(code)
+        proc = subprocess.run([os.environ.get("NVCC", "nvcc"), "-w", "--cubin", "-O3", f"-arch={arch}",
+                               "-o", str(out), str(src)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed for {arch}:\n{proc.stderr[-4000:]}")
+        return bytearray(out.read_bytes())
+
+
+def _prepare_cuda_codegen() -> None:
+    import tvm_ffi
+
+    _load_cuda_runtime()
+    tvm_ffi.register_global_func("tvm_callback_cuda_compile", _nvcc_cubin, override=True)
+
+
+# ----------------------------------------------------------------------------- cache
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _load_verified(lib: Path):
-    """The module at `lib`, or None if missing or corrupt (checksum mismatch / load error)."""
-    tvm = _tvm()
+def _is_intact(lib: Path) -> bool:
     check = lib.with_suffix(".sha256")
-    if not (lib.exists() and check.exists()):
-        return None
-    try:
-        if check.read_text().strip() != _digest(lib):
-            return None
-        return tvm.runtime.load_module(str(lib))
-    except Exception:  # a library that fails to load is rebuilt like a corrupt one
-        return None
+    return lib.exists() and check.exists() and check.read_text().strip() == _digest(lib)
+
+
+def _load(lib: Path, target: dict):
+    if target["kind"] == "cuda":
+        _load_cuda_runtime()
+    return _tvm().runtime.load_module(str(lib))
 
 
 def _write_atomic(path: Path, write) -> None:
@@ -135,28 +245,39 @@ def _log(msg: str) -> None:
         print(f"tvmflash: {msg}", file=sys.stderr, flush=True)
 
 
-def load_cached(spec: AttentionSpec, target=None):
-    """The compiled module for `spec`: from this process, from the disk cache, or built now."""
+def library_path(spec: AttentionSpec, target: dict) -> Path:
+    return cache_dir() / f"{spec.name}-{target_label(target)}-{module_key(spec, target)}.so"
+
+
+def build_cached(spec: AttentionSpec, target: dict, rebuild: bool = False) -> Path:
+    """The cached library of `spec` for `target`, built now if missing or corrupt (or if
+    `rebuild`). Safe when several processes ask at once: one builds, the others wait."""
+    lib = library_path(spec, target)
+    if not rebuild and _is_intact(lib):
+        return lib
+    with FileLock(str(lib) + ".lock"):
+        if not rebuild and _is_intact(lib):  # another process built it meanwhile
+            return lib
+        _log(f"building {spec.name} for {target_label(target)} (first use; cached in {lib.parent})")
+        start = time.perf_counter()
+        built = build_module(spec, target)
+        _write_atomic(lib, built.export_library)
+        _write_atomic(lib.with_suffix(".sha256"), lambda p: Path(p).write_text(_digest(lib)))
+        _log(f"built {spec.name} in {time.perf_counter() - start:.1f} s")
+    return lib
+
+
+def load_cached(spec: AttentionSpec, target: dict | None = None) -> dict:
+    """The kernels of `spec` for `target` (default: this CPU), by name: from this process,
+    from the disk cache, or built now. A library that fails to load is rebuilt once."""
     target = target if target is not None else host_target()
-    key = (spec, str(target))
+    key = (spec, json.dumps(target, sort_keys=True))
     with _lock:
-        if key in _modules:
-            return _modules[key]
-        lib = cache_dir() / f"{spec.name}-{module_key(spec, target)}.so"
-        module = _load_verified(lib)
-        if module is None:
-            with FileLock(str(lib) + ".lock"):
-                module = _load_verified(lib)  # another process may have built it meanwhile
-                if module is None:
-                    _log(f"building {spec.name} for {target.attrs['mcpu']} (first use; cached in {lib.parent})")
-                    start = time.perf_counter()
-                    built = build_module(spec, target)
-                    _write_atomic(lib, built.export_library)
-                    _write_atomic(lib.with_suffix(".sha256"), lambda p: Path(p).write_text(_digest(lib)))
-                    _log(f"built {spec.name} in {time.perf_counter() - start:.1f} s")
-                    module = _load_verified(lib)
-                    if module is None:
-                        raise RuntimeError(f"tvmflash: freshly built module {lib} failed to load")
-        _modules[key] = {name: module[name] for name in KERNELS}
-        _modules[key]["module"] = module
+        if key not in _modules:
+            lib = build_cached(spec, target)
+            try:
+                module = _load(lib, target)
+            except Exception:  # noqa: BLE001 - e.g. a library built for another machine
+                module = _load(build_cached(spec, target, rebuild=True), target)
+            _modules[key] = {name: module[name] for name in kernels_of(target)}
         return _modules[key]

@@ -34,12 +34,13 @@ class DType(str, Enum):
 @app.command()
 def bench(
     device: Annotated[Device, typer.Option(help="Device to benchmark on.")] = Device.cpu,
-    dtype: Annotated[list[DType], typer.Option(help="Data type (repeatable).")] = [DType.fp32, DType.bf16],
-    seqlen: Annotated[list[int], typer.Option(help="Sequence length L = Lq = Lk (repeatable).")] = [512, 2048],
+    dtype: Annotated[Optional[list[DType]], typer.Option(help="Data type (repeatable). (default: cpu fp32 bf16, cuda fp16 bf16)")] = None,
+    seqlen: Annotated[Optional[list[int]], typer.Option(help="Sequence length L = Lq = Lk (repeatable). (default: cpu 512 2048, cuda 1024 4096 16384)")] = None,
     head_dim: Annotated[list[int], typer.Option(help="Head dimension D (repeatable).")] = [64, 128],
-    causal: Annotated[bool, typer.Option(help="Benchmark causal attention.")] = False,
-    batch: Annotated[int, typer.Option(help="Batch size B.")] = 1,
-    heads: Annotated[int, typer.Option(help="Number of heads H.")] = 16,
+    causal: Annotated[Optional[bool], typer.Option(help="Only causal / only non-causal. (default: cpu non-causal, cuda both)")] = None,
+    backward: Annotated[bool, typer.Option(help="Also time the backward pass.")] = True,
+    batch: Annotated[Optional[int], typer.Option(help="Batch size B. (default: cpu 1, cuda 16384/L)")] = None,
+    heads: Annotated[Optional[int], typer.Option(help="Number of heads H. (default: cpu 16, cuda 2048/D)")] = None,
     iters: Annotated[
         Optional[int], typer.Option(help="Calls per timing sample (default: sized so a sample takes ~0.2 s).")
     ] = None,
@@ -52,20 +53,30 @@ def bench(
 
     from tvmflash import bench as b
 
+    cuda = device == Device.cuda
     rows = b.run(
         device=device.value,
-        dtypes=[d.value for d in dtype],
-        seqlens=seqlen,
+        dtypes=[d.value for d in dtype] if dtype else (["fp16", "bf16"] if cuda else ["fp32", "bf16"]),
+        seqlens=seqlen or ([1024, 4096, 16384] if cuda else [512, 2048]),
         head_dims=head_dim,
-        causal=(causal,),
+        causal=(causal,) if causal is not None else ((False, True) if cuda else (False,)),
         batch=batch,
         heads=heads,
         rounds=rounds,
         iters=iters,
+        backward=backward,
     )
     b.print_table(rows)
     json_path, png_path = b.write_results(rows, out, tag or device.value)
     Console().print(f"results: {json_path}\nplot:    {png_path}")
+
+
+@app.command()
+def plot(results: Annotated[Path, typer.Argument(help="A results JSON written by `tvmflash bench`.")]) -> None:
+    """Draw the PNG of a benchmark results JSON (for runs on machines without matplotlib)."""
+    from tvmflash.bench import plot_results
+
+    print(plot_results(results))
 
 
 @app.command()

@@ -52,9 +52,22 @@ def _check_qkv(q, k, v, names=("q", "k", "v")) -> None:
                          f"number of key/value heads ({k.shape[1]})")
     if not 0 < q.shape[-1] <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {q.shape[-1]}")
-    if q.device.type != "cpu":
-        raise NotImplementedError(f"tvmflash runs on CPU tensors so far; got a {q.device.type} tensor "
-                                  "(the CUDA kernels are not built yet)")
+    if q.device.type == "cuda":
+        _check_cuda(q, k, v, names)
+    elif q.device.type != "cpu":
+        raise NotImplementedError(f"tvmflash runs on CPU and CUDA tensors, got a {q.device.type} tensor")
+
+
+def _check_cuda(q, k, v, names) -> None:
+    """The tensor-core kernels load 16-byte rows with cp.async and run fp16/bf16 mma."""
+    if q.dtype == torch.float32:
+        raise TypeError(f"{names[0]} is float32: on CUDA tvmflash takes float16 or bfloat16")
+    if q.shape[-1] % 16:
+        raise ValueError(f"head_dim must be a multiple of 16 on CUDA, got {q.shape[-1]}")
+    for name, x in zip(names, (q, k, v)):
+        if x.data_ptr() % 16 or any(s % 8 for s in x.stride()[:-1]):
+            raise ValueError(f"{name} must be 16-byte aligned with strides that are multiples of 8 "
+                             f"elements on CUDA, got strides {x.stride()}")
 
 
 def _scale(scale, head_dim: int, name: str) -> float:

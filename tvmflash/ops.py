@@ -29,10 +29,23 @@ def spec_for(q: torch.Tensor, mask: Optional[torch.Tensor], causal: str) -> Atte
                          mask=kind, mask_dtype=mask_dtype)
 
 
-def _kernels(spec: AttentionSpec):
-    from .build import load_cached
+def _kernels(spec: AttentionSpec, device: torch.device) -> dict:
+    from . import build
 
-    return load_cached(spec)
+    if device.type == "cuda":
+        return build.load_cached(spec, build.cuda_target_for_device(device.index or 0))
+    return build.load_cached(spec)
+
+
+def _launch(device: torch.device, kernel, *args) -> None:
+    """Run a TVM kernel on torch tensors; CUDA kernels go on torch's current stream."""
+    if device.type == "cuda":
+        import tvm_ffi
+
+        with torch.cuda.device(device), tvm_ffi.use_torch_stream():
+            kernel(*args)
+    else:
+        kernel(*args)
 
 
 def _mask_args(mask: Optional[torch.Tensor], shape) -> tuple:
@@ -57,8 +70,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: O
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    kern = _kernels(spec_for(q, mask, causal))
-    kern["forward"](q, k, v, out, lse, scale, *_mask_args(mask, (B, H, Lq, Lk)))
+    kern = _kernels(spec_for(q, mask, causal), q.device)
+    _launch(q.device, kern["forward"], q, k, v, out, lse, scale, *_mask_args(mask, (B, H, Lq, Lk)))
     return out, lse
 
 
@@ -93,7 +106,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         return dq.zero_(), dk.zero_(), dv.zero_()
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    kern = _kernels(spec_for(q, mask, causal))
+    if q.device.type != "cpu":
+        raise NotImplementedError("the CUDA backward kernels are not built yet (forward only)")
+    kern = _kernels(spec_for(q, mask, causal), q.device)
     masks = _mask_args(mask, (B, H, Lq, Lk))
     delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
     kern["backward_delta"](out, dout, delta)

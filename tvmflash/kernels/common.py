@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from tvm import tirx
+from tvm.tirx.layout import S, TileLayout
 from tvm.script.ir_builder import tirx as irb
 
 F32 = "float32"
@@ -52,7 +53,10 @@ class KernelArgs:
         if unit_last_stride:
             strides[-1] = i64(1)
         shape = [i64(s) if isinstance(s, int) else s for s in shape]
-        buf = tirx.decl_buffer(shape, dtype, name, strides=strides)
+        # TIRx kernels address through the layout (the default one is compact), s_tir ones
+        # through the strides: give both the same strides
+        layout = TileLayout(S[tuple(shape):tuple(strides)])
+        buf = tirx.decl_buffer(shape, dtype, name, strides=strides, layout=layout)
         return irb.arg(name, buf)
 
     def scalar(self, name: str, dtype: str = F32) -> tirx.Var:

@@ -27,7 +27,12 @@ class ScoreIndex:
 
 
 class ScoreMod:
-    """Base: identity. Subclasses are frozen dataclasses (they are part of the hashable spec)."""
+    """Base: identity. Subclasses are frozen dataclasses (they are part of the hashable spec).
+
+    A *mask* (`is_mask`) only keeps or removes pairs (score or -inf); kernels may skip it on
+    tiles it provably keeps whole (`tile_visible`)."""
+
+    is_mask = False
 
     def bind(self, args: KernelArgs, shape: Shape) -> "ScoreMod":
         """Declare extra kernel arguments (called while the kernel is parsed); returns the
@@ -49,6 +54,10 @@ class ScoreMod:
         """Queries [lo, hi) that can attend to keys [kv_lo, kv_hi); None = no restriction."""
         return None
 
+    def tile_visible(self, q_lo, q_hi, kv_lo, kv_hi, shape: Shape):
+        """For masks: an expression true when every pair of the tile is kept; None = unknown."""
+        return None
+
 
 @dataclass(frozen=True)
 class Causal(ScoreMod):
@@ -56,6 +65,7 @@ class Causal(ScoreMod):
     SDPA), offset Lk - Lq bottom-right (flash-attn)."""
 
     align: str  # "top_left" | "bottom_right"
+    is_mask = True
 
     def offset(self, shape: Shape):
         return shape.seqlen_k - shape.seqlen_q if self.align == "bottom_right" else tirx.const(0, "int64")
@@ -68,6 +78,9 @@ class Causal(ScoreMod):
 
     def q_range(self, kv_lo, kv_hi, shape):
         return kv_lo - self.offset(shape), shape.seqlen_q
+
+    def tile_visible(self, q_lo, q_hi, kv_lo, kv_hi, shape):
+        return kv_hi - 1 <= q_lo + self.offset(shape)
 
 
 @dataclass(frozen=True)
@@ -90,6 +103,10 @@ class _BoundMask(ScoreMod):
     kind: str
     buf: tirx.Buffer
 
+    @property
+    def is_mask(self):
+        return self.kind == "bool"
+
     def apply(self, score, ix, shape):
         value = self.buf[ix.b, ix.h, ix.q_idx, ix.kv_idx]
         if self.kind == "bool":
@@ -104,12 +121,33 @@ class ScorePipeline:
         self.shape = shape
         self.mods = [m.bind(args, shape) for m in mods]
 
-    def __call__(self, score, ix: ScoreIndex):
-        """Modified score; -inf outside the sequences (tile padding)."""
+    def __call__(self, score, ix: ScoreIndex, masked: bool = True):
+        """Modified score; -inf outside the sequences (tile padding). `masked=False` is for
+        tiles known to be unmasked (`tile_unmasked`): masks and bounds are skipped."""
         for m in self.mods:
-            score = m.apply(score, ix, self.shape)
+            if masked or not m.is_mask:
+                score = m.apply(score, ix, self.shape)
+        if not masked:
+            return score
         inside = tirx.all(ix.q_idx < self.shape.seqlen_q, ix.kv_idx < self.shape.seqlen_k)
         return tirx.Select(inside, score, NEG_INF)
+
+    @property
+    def changes_values(self) -> bool:
+        """Whether some modifier changes scores (not only masks them)."""
+        return any(not m.is_mask for m in self.mods)
+
+    def tile_unmasked(self, q_lo, q_hi, kv_lo, kv_hi):
+        """An expression true when no pair of the tile [q_lo, q_hi) x [kv_lo, kv_hi) is
+        masked or out of bounds: such tiles may use `masked=False`."""
+        conds = [q_hi <= self.shape.seqlen_q, kv_hi <= self.shape.seqlen_k]
+        for m in self.mods:
+            if m.is_mask:
+                visible = m.tile_visible(q_lo, q_hi, kv_lo, kv_hi, self.shape)
+                if visible is None:
+                    return tirx.const(False, "bool")
+                conds.append(visible)
+        return tirx.all(*conds)
 
     def grad(self, score, ix: ScoreIndex):
         """d(pipeline)/d(score) by the chain rule through each modifier."""

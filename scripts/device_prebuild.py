@@ -1,0 +1,26 @@
+"""Build the CUDA modules scripts/device_check.sh needs into .devcache/ (or $TVMFLASH_CACHE_DIR),
+on any machine with the TVM compiler and nvcc, so the GPU machine needs only TVM's runtime.
+
+    python scripts/device_prebuild.py
+"""
+import itertools
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TVMFLASH_CACHE_DIR", str(ROOT / ".devcache"))
+
+from tvmflash import build  # noqa: E402
+from tvmflash.spec import AttentionSpec  # noqa: E402
+specs = set()
+for dt, d, c in itertools.product(["float16", "bfloat16"], [32, 64, 96, 128, 192, 256], ["none", "bottom_right", "top_left"]):
+    specs.add(AttentionSpec(dt, d, causal=c))
+specs.add(AttentionSpec("float16", 64, mask="bool"))
+specs.add(AttentionSpec("float16", 64, mask="additive"))
+start = time.time()
+for spec in sorted(specs, key=lambda s: s.name):
+    build.build_cached(spec, build.cuda_target("sm_90a"))
+print(f"{len(specs)} specs in {build.cache_dir()} ({time.time() - start:.0f} s)")

@@ -1,0 +1,27 @@
+"""The CUDA tuner's bookkeeping (the timing itself runs on the GPU machine)."""
+import json
+
+from tvmflash import tune_cuda
+from tvmflash.spec import AttentionSpec
+
+
+def test_candidates_respect_shared_memory_and_registers():
+    for d in (64, 128, 256):
+        for knobs in tune_cuda.candidates(AttentionSpec("float16", d)):
+            assert (knobs["block_m"] + 4 * knobs["block_n"]) * (d + 8) * 2 <= tune_cuda.SMEM_LIMIT
+            assert not (knobs["q_in_registers"] and d > 128)
+    assert len(tune_cuda.candidates(AttentionSpec("float16", 64))) == 12
+
+
+def test_record_keeps_the_fastest_candidate_per_spec(tmp_path, monkeypatch):
+    logs = tmp_path / "logs"
+    monkeypatch.setattr(tune_cuda, "TUNING_LOGS_DIR", logs)
+    (logs / "cuda").mkdir(parents=True)
+    (logs / "cuda" / "knobs.json").write_text(json.dumps({"other_spec": {"block_m": 64}}))
+    spec = AttentionSpec("float16", 64)
+    timings = [{"spec": spec.to_dict(), "knobs": {"block_m": bm}, "ms": ms, "tflops": 1.0}
+               for bm, ms in ((64, 2.0), (128, 1.5), (32, 3.0))]
+    (tmp_path / "timings.json").write_text(json.dumps(timings))
+    tune_cuda.record(tmp_path)
+    records = json.loads((logs / "cuda" / "knobs.json").read_text())
+    assert records == {"other_spec": {"block_m": 64}, spec.name: {"block_m": 128}}
