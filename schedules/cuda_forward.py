@@ -25,8 +25,9 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.kernels.common import F32, NEG_INF, KernelArgs, Shape
-from tvmflash.kernels.score_mods import ScoreIndex, ScorePipeline
+from tvmflash.kernels.common import F32, NEG_INF, Shape
+from tvmflash.kernels.forward import declare_forward_args
+from tvmflash.kernels.score_mods import ScoreIndex
 from tvmflash.spec import AttentionSpec
 
 DEFAULTS = {"block_m": 128, "block_n": 64, "q_in_registers": 1}
@@ -64,21 +65,11 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
 
     shape = Shape.fresh()
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
-    args = KernelArgs()
-
-    def declare():
-        q = args.tensor("q", (B, H, LQ, D), dt)
-        k = args.tensor("k", (B, HK, LK, D), dt)
-        v = args.tensor("v", (B, HK, LK, D), dt)
-        o = args.tensor("o", (B, H, LQ, D), dt)
-        lse = args.tensor("lse", (B, H, LQ), F32)
-        scale = args.scalar("scale")
-        return q, k, v, o, lse, scale, ScorePipeline(spec.modifiers(), args, shape)
 
     @T.prim_func
     def fwd():
         T.func_attr({"tirx.noalias": True})
-        Q, K, V, O, LSE, scale, score = T.meta_var(declare())
+        Q, K, V, O, LSE, scale, score = T.meta_var(declare_forward_args(spec, shape))
         T.device_entry()
         bx, bh = T.cta_id([T.Cast("int32", (LQ + BM - 1) // BM), T.Cast("int32", B * H)])
         tid = T.thread_id([NT])

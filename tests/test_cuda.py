@@ -13,8 +13,7 @@ from reference import attention
 def _compiler_available() -> bool:
     import tvm_ffi
 
-    import tvm  # noqa: F401
-
+    __import__("tvm")  # registers TVM's global functions
     return tvm_ffi.get_global_func("target.build.cuda", allow_missing=True) is not None
 
 

@@ -420,8 +420,11 @@ def _plot(rows: list[dict], path: Path, title: str) -> None:
     baselines = _baselines(rows)
     width = 0.8 / max(len(baselines), 1)
     x = range(len(rows))
-    fig, axes = plt.subplots(2, 1, figsize=(max(6.0, 1.1 * len(rows) + 2), 7), sharex=True)
-    for ax, pass_ in zip(axes, ("fwd", "bwd")):
+    passes = [p for p in ("fwd", "bwd") if any(v is not None for n in baselines for v in _ratios(rows, n, p))]
+    fig, axes = plt.subplots(len(passes), 1, figsize=(max(6.0, 1.1 * len(rows) + 2), 3.5 * len(passes)),
+                             sharex=True, squeeze=False)
+    axes = axes[:, 0]
+    for ax, pass_ in zip(axes, passes):
         for i, name in enumerate(baselines):
             values = [v if v is not None else math.nan for v in _ratios(rows, name, pass_)]
             offsets = [xi + (i - (len(baselines) - 1) / 2) * width for xi in x]

@@ -8,8 +8,6 @@ kernels. Features whose kernels do not exist yet raise NotImplementedError, neve
 from __future__ import annotations
 
 import math
-from typing import Optional
-
 import torch
 
 from .ops import attention_forward

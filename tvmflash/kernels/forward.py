@@ -19,25 +19,31 @@ from .common import F32, NEG_INF, KernelArgs, Shape, fast_exp
 from .score_mods import ScoreIndex, ScorePipeline
 
 
+def declare_forward_args(spec: AttentionSpec, shape: Shape):
+    """The forward's arguments, in call order, for every target's forward kernel (call while
+    the kernel is parsed): q, k, v, o (B, H|Hk, L, D), lse (B, H, Lq) fp32, scale, then the
+    score modifiers' own arguments; returns them and the bound ScorePipeline."""
+    B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
+    D, dt = spec.head_dim, spec.dtype
+    args = KernelArgs()
+    q = args.tensor("q", (B, H, LQ, D), dt)
+    k = args.tensor("k", (B, HK, LK, D), dt)
+    v = args.tensor("v", (B, HK, LK, D), dt)
+    o = args.tensor("o", (B, H, LQ, D), dt)
+    lse = args.tensor("lse", (B, H, LQ), F32)
+    scale = args.scalar("scale")
+    return q, k, v, o, lse, scale, ScorePipeline(spec.modifiers(), args, shape)
+
+
 def forward_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 64) -> tirx.PrimFunc:
     D, BQ, BK, dt = spec.head_dim, block_q, block_k, spec.dtype
     shape = Shape.fresh()
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
-    args = KernelArgs()
-
-    def declare():
-        q = args.tensor("q", (B, H, LQ, D), dt)
-        k = args.tensor("k", (B, HK, LK, D), dt)
-        v = args.tensor("v", (B, HK, LK, D), dt)
-        o = args.tensor("o", (B, H, LQ, D), dt)
-        lse = args.tensor("lse", (B, H, LQ), F32)
-        scale = args.scalar("scale")
-        return q, k, v, o, lse, scale, ScorePipeline(spec.modifiers(), args, shape)
 
     @T.prim_func(s_tir=True)
     def fwd():
         T.func_attr({"tirx.noalias": True})
-        Q, K, V, O, LSE, scale, score = T.meta_var(declare())
+        Q, K, V, O, LSE, scale, score = T.meta_var(declare_forward_args(spec, shape))
         NQB = T.meta_var((LQ + BQ - 1) // BQ)
         for t in T.parallel(B * H * NQB):
             with T.sblock("tile"):

@@ -158,17 +158,17 @@ class ScorePipeline:
         return total
 
     def kv_range(self, q_lo, q_hi):
-        lo, hi = tirx.const(0, "int64"), self.shape.seqlen_k
-        for m in self.mods:
-            r = m.kv_range(q_lo, q_hi, self.shape)
-            if r is not None:
-                lo, hi = tirx.max(lo, r[0]), tirx.min(hi, r[1])
-        return lo, hi
+        """Keys [lo, hi) that queries [q_lo, q_hi) can see: the intersection over modifiers."""
+        return self._intersect([m.kv_range(q_lo, q_hi, self.shape) for m in self.mods], self.shape.seqlen_k)
 
     def q_range(self, kv_lo, kv_hi):
-        lo, hi = tirx.const(0, "int64"), self.shape.seqlen_q
-        for m in self.mods:
-            r = m.q_range(kv_lo, kv_hi, self.shape)
+        """Queries [lo, hi) that can see keys [kv_lo, kv_hi)."""
+        return self._intersect([m.q_range(kv_lo, kv_hi, self.shape) for m in self.mods], self.shape.seqlen_q)
+
+    @staticmethod
+    def _intersect(ranges, length):
+        lo, hi = tirx.const(0, "int64"), length
+        for r in ranges:
             if r is not None:
                 lo, hi = tirx.max(lo, r[0]), tirx.min(hi, r[1])
         return lo, hi
