@@ -92,9 +92,7 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         alpha = T.alloc_local([1], F32)
         pw = p.view("uint32")
         scale_log2 = T.meta_var(scale * T.float32(LOG2E))
-        kv_lo, kv_hi = T.meta_var(score.kv_range(q0, T.min(q0 + BM, LQ)))
-        kb_lo = T.meta_var(T.max(kv_lo, 0) // BN)
-        kb_hi = T.meta_var(T.max((kv_hi + BN - 1) // BN, kb_lo))
+        kb_lo, kb_hi = T.meta_var(score.kv_blocks(q0, T.min(q0 + BM, LQ), BN))
 
         @T.inline
         def copy_rows(pool_row0, src, head, row0, nrows, limit):

@@ -117,9 +117,7 @@ def backward_dkdv_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 
                     dv_acc = T.sblock_alloc_buffer((BK, D), F32)
                     k0 = T.meta_var(vkb * BK)
                     key = T.meta_var(lambda j: T.min(k0 + j, LK - 1))
-                    q_lo, q_hi = T.meta_var(score.q_range(k0, T.min(k0 + BK, LK)))
-                    qb_lo = T.meta_var(T.max(q_lo, 0) // BQ)
-                    qb_hi = T.meta_var(T.max((q_hi + BQ - 1) // BQ, qb_lo))
+                    qb_lo, qb_hi = T.meta_var(score.q_blocks(k0, T.min(k0 + BK, LK), BQ))
                     for j, d in T.grid(BK, D):
                         with T.sblock("load_kT"):
                             vj, vd = T.axis.remap("SS", [j, d])
@@ -275,9 +273,7 @@ def backward_dq_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 64
                 q0 = T.meta_var(vqb * BQ)
                 row = T.meta_var(lambda i: T.min(q0 + i, LQ - 1))
                 inside = T.meta_var(lambda i: q0 + i < LQ)
-                kv_lo, kv_hi = T.meta_var(score.kv_range(q0, T.min(q0 + BQ, LQ)))
-                kb_lo = T.meta_var(kv_lo // BK)
-                kb_hi = T.meta_var(T.max((kv_hi + BK - 1) // BK, kb_lo))
+                kb_lo, kb_hi = T.meta_var(score.kv_blocks(q0, T.min(q0 + BQ, LQ), BK))
                 for i, d in T.grid(BQ, D):
                     with T.sblock("load_qT"):
                         vi, vd = T.axis.remap("SS", [i, d])

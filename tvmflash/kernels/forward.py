@@ -56,9 +56,7 @@ def forward_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 64) ->
                 acc = T.sblock_alloc_buffer((BQ, D), F32)
                 vhk = T.meta_var(vh // (H // HK))
                 q0 = T.meta_var(vqb * BQ)
-                kv_lo, kv_hi = T.meta_var(score.kv_range(q0, T.min(q0 + BQ, LQ)))
-                kb_lo = T.meta_var(kv_lo // BK)
-                kb_hi = T.meta_var(T.max((kv_hi + BK - 1) // BK, kb_lo))
+                kb_lo, kb_hi = T.meta_var(score.kv_blocks(q0, T.min(q0 + BQ, LQ), BK))
                 for i, d in T.grid(BQ, D):
                     with T.sblock("load_qT"):
                         vi, vd = T.axis.remap("SS", [i, d])

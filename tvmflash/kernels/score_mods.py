@@ -165,6 +165,21 @@ class ScorePipeline:
         """Queries [lo, hi) that can see keys [kv_lo, kv_hi)."""
         return self._intersect([m.q_range(kv_lo, kv_hi, self.shape) for m in self.mods], self.shape.seqlen_q)
 
+    def kv_blocks(self, q_lo, q_hi, block: int):
+        """Indices [first, end) of the kv-blocks of `block` keys that queries [q_lo, q_hi)
+        need; empty (end == first) when they see no key."""
+        return self._blocks(self.kv_range(q_lo, q_hi), block)
+
+    def q_blocks(self, kv_lo, kv_hi, block: int):
+        """Indices [first, end) of the q-blocks of `block` queries that see keys [kv_lo, kv_hi)."""
+        return self._blocks(self.q_range(kv_lo, kv_hi), block)
+
+    @staticmethod
+    def _blocks(rows, block: int):
+        lo, hi = rows  # lo >= 0: _intersect starts from 0
+        first = lo // block
+        return first, tirx.max((hi + block - 1) // block, first)
+
     @staticmethod
     def _intersect(ranges, length):
         lo, hi = tirx.const(0, "int64"), length
