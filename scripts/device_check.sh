@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU machine's check: CUDA correctness tests, then the GPU benchmark grid (DESIGN.md
-# protocol) as JSON under $OUT (or benchmarks/results). Runs with TVM's runtime only: the
+# The GPU machine's check: CUDA correctness tests, then (BENCH=fwd|all, default all; BENCH=none
+# skips it) the GPU benchmark grid (DESIGN.md protocol) as JSON under $OUT (or benchmarks/results). Runs with TVM's runtime only: the
 # modules are built beforehand on any machine with nvcc (scripts/device_prebuild.py) into
 # .devcache/, which travels with the tree, as do .devsite/ (pure-Python deps) and .tvmbundle/.
 #
@@ -13,14 +13,16 @@ export PYTHONPATH=$PWD/.devsite:$PYTHONPATH
 export TVMFLASH_CACHE_DIR=${TVMFLASH_CACHE_DIR:-$PWD/.devcache}
 out=${OUT:-benchmarks/results}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python -m pytest tests/test_cuda.py -q -x -p no:cacheprovider --durations=5 "$@" 2>&1 | tail -25
+python -m pytest tests/test_cuda.py -q -p no:cacheprovider --maxfail=10 --durations=5 "$@" 2>&1 | tail -40
 status=${PIPESTATUS[0]}
-python - "$out" <<'PY'
+[ "${BENCH:-all}" = none ] && exit $status
+python - "$out" "${BENCH:-all}" <<'PY'
 import sys
 from tvmflash import bench
+backward = sys.argv[2] != "fwd"
 rows = bench.run(device="cuda", dtypes=["fp16", "bf16"], seqlens=[1024, 4096, 16384], head_dims=[64, 128],
-                 causal=(False, True), backward=False, rounds=5)
+                 causal=(False, True), backward=backward, rounds=5)
 bench.print_table(rows)
-print(bench.write_results(rows, sys.argv[1], "cuda-h100-forward")[0])
+print(bench.write_results(rows, sys.argv[1], "cuda-h100" if backward else "cuda-h100-forward")[0])
 PY
 exit $status

@@ -33,7 +33,8 @@ from .spec import AttentionSpec
 from .tuning import tuned_knobs
 
 CPU_KERNELS = ("forward", "backward_delta", "backward_dkdv", "backward_dq", "backward_fused")
-CUDA_KERNELS = ("forward",)
+CUDA_KERNELS = ("forward", "backward_prep", "backward_dkdv_dq", "backward_dq_convert", "backward_dkdv",
+                "backward_dq")
 
 _modules: dict = {}
 _lock = threading.Lock()
@@ -144,13 +145,20 @@ def _build_cpu(spec: AttentionSpec, target: dict, knobs: dict | None = None):
     return tvm.compile(sch.mod, target=tvm.target.Target(target))
 
 
+def cuda_default_knobs(spec: AttentionSpec) -> dict:
+    from .schedules import cuda_backward, cuda_forward
+
+    return {**cuda_forward.default_knobs(spec), **cuda_backward.default_knobs(spec)}
+
+
 def _build_cuda(spec: AttentionSpec, target: dict, knobs: dict | None = None):
     tvm = _tvm()
-    from .schedules.cuda_forward import default_knobs, forward_kernel_cuda
+    from .schedules import cuda_backward, cuda_forward
 
     _prepare_cuda_codegen()
-    knobs = {**default_knobs(spec), **tuned_knobs("cuda", spec), **(knobs or {})}
-    mod = tvm.IRModule({"forward": forward_kernel_cuda(spec, knobs)})
+    knobs = {**cuda_default_knobs(spec), **tuned_knobs("cuda", spec), **(knobs or {})}
+    mod = tvm.IRModule({"forward": cuda_forward.forward_kernel_cuda(spec, knobs),
+                        **cuda_backward.backward_kernels_cuda(spec, knobs)})
     tvm_target = tvm.target.Target(target)
     with tvm_target:  # the nvcc callback reads the arch from the current target
         return tvm.compile(mod, target=tvm_target, tir_pipeline="tirx")

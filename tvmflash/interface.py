@@ -115,7 +115,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     `is_causal` aligns the diagonal top-left (query i sees keys j <= i), as torch does.
     `attn_mask`: boolean (True = attend) or additive float, broadcastable to (B, H, Lq, Lk);
     it may be combined with `is_causal`. With `enable_gqa`, H must be a multiple of Hk.
-    A query row that sees no key returns zeros (torch's math path does the same).
+    A query row that sees no key returns zeros (torch's math path does the same). Under
+    `torch.use_deterministic_algorithms(True)` the CUDA backward avoids atomics.
     """
     _check_qkv(query, key, value, ("query", "key", "value"))
     if key.shape[1] != query.shape[1] and not enable_gqa:
@@ -124,7 +125,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     _unsupported(dropout_p=dropout_p != 0.0)
     mask = _check_mask(attn_mask, query, key)
     out, _ = attention_forward(query, key, value, mask, _scale(scale, query.shape[-1], "scale"),
-                               "top_left" if is_causal else "none")
+                               "top_left" if is_causal else "none", torch.are_deterministic_algorithms_enabled())
     return out
 
 
@@ -135,7 +136,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     `causal` aligns the diagonal bottom-right (query i sees keys j <= i + Lk - Lq), as
     flash-attn 2.1+ does. GQA/MQA when H is a multiple of Hk. With `return_attn_probs`
     returns (out, softmax_lse, None): lse is float32 (B, H, Lq), natural log, -inf for a query
-    that sees no key. Every gradient is deterministic, whatever `deterministic` says.
+    that sees no key. `deterministic=True` makes the CUDA backward bitwise reproducible (dQ
+    without atomics, somewhat slower); the CPU backward always is.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
@@ -146,6 +148,6 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     _unsupported(dropout_p=dropout_p != 0.0, window_size=tuple(window_size) != (-1, -1),
                  softcap=softcap != 0.0, alibi_slopes=alibi_slopes is not None)
     out, lse = attention_forward(qh, kh, vh, None, _scale(softmax_scale, q.shape[-1], "softmax_scale"),
-                                 "bottom_right" if causal else "none")
+                                 "bottom_right" if causal else "none", bool(deterministic))
     out = out.transpose(1, 2)
     return (out, lse, None) if return_attn_probs else out

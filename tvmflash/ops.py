@@ -58,7 +58,9 @@ def _mask_args(mask: Optional[torch.Tensor], shape) -> tuple:
 
 @torch.library.custom_op("tvmflash::attention_forward", mutates_args=())
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                      scale: float, causal: str) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: float, causal: str, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output and lse. `deterministic` only concerns the backward on CUDA (where dQ
+    is otherwise accumulated with atomics); the CPU backward is always deterministic."""
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
     out = torch.empty_like(q)
@@ -76,7 +78,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: O
 
 
 @attention_forward.register_fake
-def _(q, k, v, mask, scale, causal):
+def _(q, k, v, mask, scale, causal, deterministic=False):
     B, H, Lq, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, H, Lq), dtype=torch.float32)
 
@@ -95,8 +97,8 @@ def backward_plan(batch: int, heads_k: int) -> str:
 @torch.library.custom_op("tvmflash::attention_backward", mutates_args=())
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
-                       mask: Optional[torch.Tensor], scale: float,
-                       causal: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       mask: Optional[torch.Tensor], scale: float, causal: str,
+                       deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v. `dlse` (a gradient flowing into the returned lse) enters through
     dS = P * (dP - delta + dlse): it is folded into delta."""
     B, H, Lq, _ = q.shape
@@ -106,10 +108,11 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         return dq.zero_(), dk.zero_(), dv.zero_()
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    if q.device.type != "cpu":
-        raise NotImplementedError("the CUDA backward kernels are not built yet (forward only)")
     kern = _kernels(spec_for(q, mask, causal), q.device)
     masks = _mask_args(mask, (B, H, Lq, Lk))
+    if q.device.type == "cuda":
+        _backward_cuda(kern, dout, q, k, v, out, lse, dlse, masks, scale, deterministic, dq, dk, dv)
+        return dq, dk, dv
     delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
     kern["backward_delta"](out, dout, delta)
     if dlse is not None:
@@ -123,22 +126,40 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     return dq, dk, dv
 
 
+def _backward_cuda(kern, dout, q, k, v, out, lse, dlse, masks, scale, deterministic, dq, dk, dv):
+    """delta and lse * log2(e) per query; then dK/dV with dQ accumulated by fp32 atomics and
+    converted, or (deterministic) dK/dV and a separate dQ kernel without atomics."""
+    dev = q.device
+    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    _launch(dev, kern["backward_prep"], out, dout, lse, delta, lse2)
+    if dlse is not None:
+        delta.sub_(dlse)
+    if deterministic:
+        _launch(dev, kern["backward_dkdv"], q, k, v, dout, lse2, delta, dk, dv, scale, *masks)
+        _launch(dev, kern["backward_dq"], q, k, v, dout, lse2, delta, dq, scale, *masks)
+    else:
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=dev)
+        _launch(dev, kern["backward_dkdv_dq"], q, k, v, dout, lse2, delta, dk, dv, dq_acc, scale, *masks)
+        _launch(dev, kern["backward_dq_convert"], dq_acc, dq, scale)
+
+
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, dlse, mask, scale, causal):
+def _(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal = inputs
+    q, k, v, mask, scale, causal, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, mask)
-    ctx.scale, ctx.causal = scale, causal
+    ctx.scale, ctx.causal, ctx.deterministic = scale, causal, deterministic
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, mask = ctx.saved_tensors
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, dlse, mask, ctx.scale, ctx.causal)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, dlse, mask, ctx.scale, ctx.causal,
+                                    ctx.deterministic)
+    return dq, dk, dv, None, None, None, None
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)

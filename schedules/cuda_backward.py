@@ -1,0 +1,465 @@
+"""Flash-attention backward for CUDA tensor cores (sm_80 .. sm_90a), as TIRx native kernels.
+
+What is computed is `tvmflash/kernels/backward.py` (same score modifiers); how it maps to the
+GPU is here. Four kernels:
+
+- `backward_prep`: per query row, delta = rowsum(dO * O) and lse2 = lse * log2(e) (+inf where
+  lse = -inf, so a query that sees no key gets P = 0); one warp per row.
+- `backward_dkdv_dq`: one CTA per (kv-block of BN keys, batch * kv-head), one warp per 16 keys.
+  K and V stay in shared memory while the q-blocks of every query head of the GQA group stream
+  past (Q, dO and the row stats double-buffered through `cp.async`). Per q-block each warp
+  computes its transposed tiles in registers: S^T = K Q^T, P^T, dV += P^T dO (P^T reused as
+  the A fragment), dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q; dS^T then goes
+  through shared memory so the warps share out dQ += dS K, added to an fp32 accumulator with
+  `red.global.add.v2.f32` (atomics: the order of additions varies between runs).
+- `backward_dq_convert`: dQ = scale * accumulator, cast.
+- `backward_dkdv` + `backward_dq` (deterministic=True): the same dK/dV kernel without dQ, and
+  a dQ kernel with one CTA per q-block that walks its kv-blocks like the forward (recomputing
+  S and dP): no atomics, bitwise reproducible, two more GEMMs.
+
+Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/knobs.json):
+    bwd_block_n   keys per dK/dV CTA (16 per warp)
+    bwd_block_m   queries per streamed q-block in the dK/dV kernel
+    dq_block_m    queries per dQ CTA (16 per warp), deterministic path
+    dq_block_n    keys per K/V tile of the dQ kernel
+"""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from tvmflash.kernels.common import F32, NEG_INF, KernelArgs, Shape
+from tvmflash.kernels.score_mods import ScoreIndex, ScorePipeline
+from tvmflash.spec import AttentionSpec
+
+from .cuda_mma import (LOG2E, PAD, copy_rows, load_a, load_a_trans, load_b, load_b_trans, mma_16x16,
+                       mma_op, smem_scope)
+
+DEFAULTS = {"bwd_block_n": 64, "bwd_block_m": 64, "dq_block_m": 64, "dq_block_n": 64}
+ROWS_PER_CTA = 8  # prep / convert kernels: one warp per row
+
+
+def default_knobs(spec: AttentionSpec) -> dict:
+    knobs = dict(DEFAULTS)
+    if spec.head_dim > 128:
+        knobs.update(bwd_block_m=32, dq_block_n=32)
+    return knobs
+
+
+def _declare(spec: AttentionSpec, shape: Shape, outputs):
+    """Declares q, k, v, do, lse2, delta, then `outputs` ((name, heads, length, dtype) of
+    (B, heads, length, D) tensors), scale and the score modifiers' arguments, in call order."""
+    B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
+    D, dt = spec.head_dim, spec.dtype
+    args = KernelArgs()
+    q = args.tensor("q", (B, H, LQ, D), dt)
+    k = args.tensor("k", (B, HK, LK, D), dt)
+    v = args.tensor("v", (B, HK, LK, D), dt)
+    do = args.tensor("do", (B, H, LQ, D), dt)
+    lse2 = args.tensor("lse2", (B, H, LQ), F32)
+    delta = args.tensor("delta", (B, H, LQ), F32)
+    outs = [args.tensor(name, (B, heads, length, D), odt) for name, heads, length, odt in outputs]
+    scale = args.scalar("scale")
+    return (q, k, v, do, lse2, delta, outs, scale, ScorePipeline(spec.modifiers(), args, shape))
+
+
+def _check(spec: AttentionSpec) -> None:
+    if spec.head_dim % 16:
+        raise ValueError(f"the CUDA kernels need head_dim % 16 == 0, got {spec.head_dim}")
+    mma_op(spec.dtype)
+    x, i = tirx.Var("x", F32), tirx.Var("i", "int64")
+    for mod in spec.modifiers():
+        grad = mod.grad(x, ScoreIndex(i, i, i, i), Shape.fresh())
+        if not (isinstance(grad, tirx.FloatImm) and grad.value == 1.0):
+            raise NotImplementedError(f"the CUDA backward takes score modifiers of unit gradient, not {mod}")
+
+
+def backward_prep_kernel(spec: AttentionSpec) -> tirx.PrimFunc:
+    D, dt = spec.head_dim, spec.dtype
+    shape = Shape.fresh()
+    B, H, LQ = shape.batch, shape.heads, shape.seqlen_q
+
+    def declare():
+        args = KernelArgs()
+        o = args.tensor("o", (B, H, LQ, D), dt)
+        do = args.tensor("do", (B, H, LQ, D), dt)
+        lse = args.tensor("lse", (B, H, LQ), F32)
+        delta = args.tensor("delta", (B, H, LQ), F32)
+        lse2 = args.tensor("lse2", (B, H, LQ), F32)
+        return o, do, lse, delta, lse2
+
+    @T.prim_func
+    def prep():
+        T.func_attr({"tirx.noalias": True})
+        O, DO, LSE, DELTA, LSE2 = T.meta_var(declare())
+        T.device_entry()
+        bx, bh = T.cta_id([T.Cast("int32", (LQ + ROWS_PER_CTA - 1) // ROWS_PER_CTA), T.Cast("int32", B * H)])
+        tid = T.thread_id([ROWS_PER_CTA * 32])
+        b = T.meta_var(T.Cast("int64", bh) // H)
+        h = T.meta_var(T.Cast("int64", bh) % H)
+        lane = T.meta_var(tid % 32)
+        row = T.meta_var(T.Cast("int64", bx) * ROWS_PER_CTA + tid // 32)
+        acc = T.alloc_local([1], F32)
+        acc[0] = T.float32(0)
+        if row < LQ:
+            for i in T.unroll((D + 31) // 32):
+                d = T.meta_var(lane + i * 32)
+                if D % 32 == 0 or d < D:
+                    acc[0] = acc[0] + T.Cast(F32, O[b, h, row, d]) * T.Cast(F32, DO[b, h, row, d])
+        acc[0] = T.cuda.warp_sum(acc[0])
+        if row < LQ and lane == 0:
+            DELTA[b, h, row] = acc[0]
+            LSE2[b, h, row] = T.Select(LSE[b, h, row] == NEG_INF, T.float32(float("inf")),
+                                       LSE[b, h, row] * T.float32(LOG2E))
+
+    return prep.with_attr("global_symbol", "backward_prep")
+
+
+def dq_convert_kernel(spec: AttentionSpec) -> tirx.PrimFunc:
+    D, dt = spec.head_dim, spec.dtype
+    shape = Shape.fresh()
+    B, H, LQ = shape.batch, shape.heads, shape.seqlen_q
+
+    def declare():
+        args = KernelArgs()
+        return (args.tensor("dq_acc", (B, H, LQ, D), F32), args.tensor("dq", (B, H, LQ, D), dt),
+                args.scalar("scale"))
+
+    @T.prim_func
+    def convert():
+        T.func_attr({"tirx.noalias": True})
+        ACC, DQ, scale = T.meta_var(declare())
+        T.device_entry()
+        bx, bh = T.cta_id([T.Cast("int32", (LQ + ROWS_PER_CTA - 1) // ROWS_PER_CTA), T.Cast("int32", B * H)])
+        tid = T.thread_id([ROWS_PER_CTA * 32])
+        b = T.meta_var(T.Cast("int64", bh) // H)
+        h = T.meta_var(T.Cast("int64", bh) % H)
+        row = T.meta_var(T.Cast("int64", bx) * ROWS_PER_CTA + tid // 32)
+        if row < LQ:
+            for i in T.unroll((D + 31) // 32):
+                d = T.meta_var(tid % 32 + i * 32)
+                if D % 32 == 0 or d < D:
+                    DQ[b, h, row, d] = T.Cast(dt, ACC[b, h, row, d] * scale)
+
+    return convert.with_attr("global_symbol", "backward_dq_convert")
+
+
+def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFunc:
+    """dK, dV (and, `with_dq`, the fp32 dQ accumulator by atomics); see the module docstring."""
+    _check(spec)
+    D, dt = spec.head_dim, spec.dtype
+    BN, BM = knobs["bwd_block_n"], knobs["bwd_block_m"]
+    if BN % 16 or BM % 16:
+        raise ValueError(f"bwd_block_n and bwd_block_m must be multiples of 16, got {BN}, {BM}")
+    MMA = mma_op(dt)
+    NW = BN // 16
+    NT = NW * 32
+    NQ8 = BM // 8           # n8 tiles of a warp's S^T (16 keys x BM queries)
+    ND = D // 8             # n8 tiles of dK / dV
+    # pool rows (D + PAD wide): K | V | Q0 Q1 | dO0 dO1
+    K_ROW, V_ROW, Q_ROW, DO_ROW = 0, BN, 2 * BN, 2 * BN + 2 * BM
+    ROWS = 2 * BN + 4 * BM
+    POOL = smem_scope(ROWS * (D + PAD) * 2)
+    DS_W = BM + PAD         # dS^T rows in shared memory (for dQ)
+    # dQ work split: row tiles of 16 queries x column ranges, one per warp (or several tiles)
+    RT = BM // 16
+    CG = max(NW // RT, 1)   # warps sharing one row tile, each D / CG columns
+    if with_dq and (RT % NW if RT >= NW else NW % RT or (D // CG) % 16):
+        raise ValueError(f"bwd_block_m {BM} does not divide dQ work over {NW} warps (head_dim {D})")
+    DQ_COLS = D // CG
+
+    shape = Shape.fresh()
+    B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
+
+    def declare():
+        outs = [("dk", HK, LK, dt), ("dv", HK, LK, dt)] + ([("dq_acc", H, LQ, F32)] if with_dq else [])
+        q, k, v, do, lse2, delta, (dk, dv, *dq_acc), scale, score = _declare(spec, shape, outs)
+        return q, k, v, do, lse2, delta, dk, dv, (dq_acc or [None])[0], scale, score
+
+    @T.prim_func
+    def dkdv():
+        T.func_attr({"tirx.noalias": True})
+        Q, K, V, DO, LSE2, DELTA, DK, DV, DQ_ACC, scale, score = T.meta_var(declare())
+        T.device_entry()
+        bx, bh = T.cta_id([T.Cast("int32", (LK + BN - 1) // BN), T.Cast("int32", B * HK)])
+        tid = T.thread_id([NT])
+        b = T.meta_var(T.Cast("int64", bh) // HK)
+        hk = T.meta_var(T.Cast("int64", bh) % HK)
+        G = T.meta_var(H // HK)
+        warp = T.meta_var(tid // 32)
+        lane = T.meta_var(tid % 32)
+        k0 = T.meta_var(T.Cast("int64", bx) * BN)
+        kr = T.meta_var(warp * 16)                 # this warp's key rows in the tile
+        pool = T.alloc_buffer((ROWS, D + PAD), dt, scope=POOL, align=128)
+        stats = T.alloc_buffer((2, 2, BM), F32, scope="shared", align=16)  # [buf][lse2|delta][q]
+        ds_t = T.alloc_buffer((BN, DS_W), dt, scope="shared", align=128)
+        af = T.alloc_local([4], "uint32")
+        bf = T.alloc_local([4], "uint32")
+        s = T.alloc_local([NQ8 * 4], F32)
+        dp = T.alloc_local([NQ8 * 4], F32)
+        p = T.alloc_local([NQ8 * 4], dt)
+        dk = T.alloc_local([ND * 4], F32)
+        dv = T.alloc_local([ND * 4], F32)
+        dsf = T.alloc_local([BN // 16 * 4], "uint32")
+        acc = T.alloc_local([8], F32)
+        pw = p.view("uint32")
+        ds_w = ds_t.view("uint32")
+        scale_log2 = T.meta_var(scale * T.float32(LOG2E))
+        qb_lo, qb_hi = T.meta_var(score.q_blocks(k0, T.min(k0 + BN, LK), BM))
+        NQB = T.meta_var(qb_hi - qb_lo)
+        NJ = T.meta_var(G * NQB)
+        step_h = T.meta_var(lambda j: hk * G + j // T.max(NQB, 1))
+        step_q0 = T.meta_var(lambda j: (qb_lo + j % T.max(NQB, 1)) * BM)
+
+        @T.inline
+        def load_step(j, buf):
+            h = T.meta_var(step_h(j))
+            q0 = T.meta_var(step_q0(j))
+            copy_rows(pool, Q_ROW + buf * BM, Q, b, h, q0, BM, LQ, D, tid, NT)
+            copy_rows(pool, DO_ROW + buf * BM, DO, b, h, q0, BM, LQ, D, tid, NT)
+            for it in T.unroll((2 * BM + NT - 1) // NT):
+                c = T.meta_var(tid + it * NT)
+                row = T.meta_var(q0 + c % BM)
+                if 2 * BM % NT == 0 or c < 2 * BM:
+                    if c < BM:
+                        T.ptx["cp.async.ca.shared.global"](
+                            stats.ptr_to([buf, 0, c % BM]), LSE2.ptr_to([b, h, T.min(row, LQ - 1)]),
+                            4, T.Select(row < LQ, T.uint32(4), T.uint32(0)))
+                    else:
+                        T.ptx["cp.async.ca.shared.global"](
+                            stats.ptr_to([buf, 1, c % BM]), DELTA.ptr_to([b, h, T.min(row, LQ - 1)]),
+                            4, T.Select(row < LQ, T.uint32(4), T.uint32(0)))
+
+        @T.inline
+        def transposed_scores(acc, a_row, b_row):
+            # acc (16 keys x BM queries) = pool[a_row + kr rows] . pool[b_row rows]^T over D
+            for i in T.unroll(NQ8 * 4):
+                acc[i] = T.float32(0)
+            for kk in T.unroll(D // 16):
+                load_a(af, 0, pool, a_row + kr, kk * 16, lane)
+                for nn in T.unroll(BM // 16):
+                    load_b(bf, pool, b_row + nn * 16, kk * 16, lane)
+                    mma_16x16(MMA, acc, nn * 8, af, 0, bf)
+
+        @T.inline
+        def accumulate_keys(acc, b_row):
+            # acc (16 keys x D) += p (16 keys x BM queries, as A fragments) . pool[b_row rows]
+            for kk in T.unroll(BM // 16):
+                for dd in T.unroll(D // 16):
+                    load_b_trans(bf, pool, b_row + kk * 16, dd * 16, lane)
+                    mma_16x16(MMA, acc, dd * 8, pw, kk * 4, bf)
+
+        @T.inline
+        def probabilities(h, q0, buf, masked):
+            # s: scores -> P^T (fp32) and p (input dtype); rows are keys, columns queries
+            for nt in T.unroll(NQ8):
+                for hh in T.unroll(2):
+                    for e in T.unroll(2):
+                        idx = T.meta_var(nt * 4 + hh * 2 + e)
+                        qc = T.meta_var(nt * 8 + lane % 4 * 2 + e)
+                        ix = T.meta_var(ScoreIndex(b, h, q0 + qc, k0 + kr + lane // 4 + hh * 8))
+                        if masked or score.changes_values:
+                            s[idx] = T.exp2(score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - stats[buf, 0, qc])
+                        else:
+                            s[idx] = T.exp2(s[idx] * scale_log2 - stats[buf, 0, qc])
+                        p[idx] = T.Cast(dt, s[idx])
+
+        if NJ > 0:
+            copy_rows(pool, K_ROW, K, b, hk, k0, BN, LK, D, tid, NT)
+            copy_rows(pool, V_ROW, V, b, hk, k0, BN, LK, D, tid, NT)
+            load_step(0, 0)
+        T.ptx["cp.async.commit_group"]()
+        for i in T.unroll(ND * 4):
+            dk[i] = T.float32(0)
+            dv[i] = T.float32(0)
+
+        for j in T.serial(NJ):
+            buf = T.meta_var(j % 2)
+            h = T.meta_var(step_h(j))
+            q0 = T.meta_var(step_q0(j))
+            if j + 1 < NJ:  # prefetch the next q-block into the other buffer
+                load_step(j + 1, 1 - buf)
+            T.ptx["cp.async.commit_group"]()
+            T.ptx["cp.async.wait_group"](1)
+            T.cuda.cta_sync()
+            q_tile = T.meta_var(Q_ROW + buf * BM)
+            do_tile = T.meta_var(DO_ROW + buf * BM)
+            transposed_scores(s, K_ROW, q_tile)
+            if score.tile_unmasked(q0, q0 + BM, k0, k0 + BN):
+                probabilities(h, q0, buf, False)
+            else:
+                probabilities(h, q0, buf, True)
+            accumulate_keys(dv, do_tile)                       # dV += P^T dO
+            transposed_scores(dp, V_ROW, do_tile)              # dP^T = V dO^T
+            for nt in T.unroll(NQ8):                           # dS^T = P^T (dP^T - delta)
+                for i in T.unroll(4):
+                    idx = T.meta_var(nt * 4 + i)
+                    s[idx] = s[idx] * (dp[idx] - stats[buf, 1, nt * 8 + lane % 4 * 2 + i % 2])
+                    p[idx] = T.Cast(dt, s[idx])
+            accumulate_keys(dk, q_tile)                        # dK += dS^T Q (scaled at the end)
+            if with_dq:
+                # dS^T to shared memory, then dQ (BM x D) += dS K, split over the warps
+                for nt in T.unroll(NQ8):
+                    for hh in T.unroll(2):
+                        ds_w[kr + lane // 4 + hh * 8, (nt * 8 + lane % 4 * 2) // 2] = pw[nt * 2 + hh]
+                T.cuda.cta_sync()
+                for rt_i in T.unroll(max(RT // NW, 1)):
+                    rt = T.meta_var(warp % RT + rt_i * NW if RT >= NW else warp % RT)
+                    col0 = T.meta_var(0 if RT >= NW else warp // RT * DQ_COLS)
+                    for kk in T.unroll(BN // 16):
+                        load_a_trans(dsf, kk * 4, ds_t, kk * 16, rt * 16, lane)
+                    for dd in T.unroll(DQ_COLS // 16):
+                        for i in T.unroll(8):
+                            acc[i] = T.float32(0)
+                        for kk in T.unroll(BN // 16):
+                            load_b_trans(bf, pool, K_ROW + kk * 16, col0 + dd * 16, lane)
+                            mma_16x16(MMA, acc, 0, dsf, kk * 4, bf)
+                        for half in T.unroll(2):
+                            for hh in T.unroll(2):
+                                row = T.meta_var(q0 + rt * 16 + lane // 4 + hh * 8)
+                                if row < LQ:
+                                    T.ptx["red.global.add.v2.f32"](
+                                        DQ_ACC.ptr_to([b, h, row, col0 + dd * 16 + half * 8 + lane % 4 * 2]),
+                                        acc[half * 4 + hh * 2], acc[half * 4 + hh * 2 + 1])
+            T.cuda.cta_sync()  # buffers are refilled by the next iteration's prefetch
+        for dd in T.unroll(ND):
+            for hh in T.unroll(2):
+                key = T.meta_var(k0 + kr + lane // 4 + hh * 8)
+                if key < LK:
+                    for e in T.unroll(2):
+                        DK[b, hk, key, dd * 8 + lane % 4 * 2 + e] = T.Cast(dt, dk[dd * 4 + hh * 2 + e] * scale)
+                        DV[b, hk, key, dd * 8 + lane % 4 * 2 + e] = T.Cast(dt, dv[dd * 4 + hh * 2 + e])
+
+    return dkdv.with_attr("global_symbol", "backward_dkdv_dq" if with_dq else "backward_dkdv")
+
+
+def dq_kernel(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
+    """Deterministic dQ: one CTA per (q-block, batch * head), one warp per 16 queries, over the
+    kv-blocks the q-block sees (K/V double-buffered): S, P, dP = dO V^T, dS, dQ += dS K."""
+    _check(spec)
+    D, dt = spec.head_dim, spec.dtype
+    BM, BN = knobs["dq_block_m"], knobs["dq_block_n"]
+    if BN % 16 or BM % 16:
+        raise ValueError(f"dq_block_m and dq_block_n must be multiples of 16, got {BM}, {BN}")
+    MMA = mma_op(dt)
+    NW = BM // 16
+    NT = NW * 32
+    NS = BN // 8
+    ND = D // 8
+    Q_ROW, DO_ROW, K_ROW, V_ROW = 0, BM, 2 * BM, 2 * BM + 2 * BN   # K0 K1 | V0 V1
+    ROWS = 2 * BM + 4 * BN
+    POOL = smem_scope(ROWS * (D + PAD) * 2)
+
+    shape = Shape.fresh()
+    B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
+
+    def declare():
+        q, k, v, do, lse2, delta, (dq,), scale, score = _declare(spec, shape, [("dq", H, LQ, dt)])
+        return q, k, v, do, lse2, delta, dq, scale, score
+
+    @T.prim_func
+    def dq_fn():
+        T.func_attr({"tirx.noalias": True})
+        Q, K, V, DO, LSE2, DELTA, DQ, scale, score = T.meta_var(declare())
+        T.device_entry()
+        bx, bh = T.cta_id([T.Cast("int32", (LQ + BM - 1) // BM), T.Cast("int32", B * H)])
+        tid = T.thread_id([NT])
+        b = T.meta_var(T.Cast("int64", bh) // H)
+        h = T.meta_var(T.Cast("int64", bh) % H)
+        hk = T.meta_var(h // (H // HK))
+        warp = T.meta_var(tid // 32)
+        lane = T.meta_var(tid % 32)
+        q0 = T.meta_var(T.Cast("int64", bx) * BM)
+        qr = T.meta_var(warp * 16)
+        pool = T.alloc_buffer((ROWS, D + PAD), dt, scope=POOL, align=128)
+        af = T.alloc_local([4], "uint32")
+        bf = T.alloc_local([4], "uint32")
+        s = T.alloc_local([NS * 4], F32)
+        dp = T.alloc_local([NS * 4], F32)
+        p = T.alloc_local([NS * 4], dt)
+        dq = T.alloc_local([ND * 4], F32)
+        lse2 = T.alloc_local([2], F32)
+        delta = T.alloc_local([2], F32)
+        pw = p.view("uint32")
+        scale_log2 = T.meta_var(scale * T.float32(LOG2E))
+        kb_lo, kb_hi = T.meta_var(score.kv_blocks(q0, T.min(q0 + BM, LQ), BN))
+
+        @T.inline
+        def row_scores(acc, a_row, b_row):
+            # acc (16 queries x BN keys) = pool[a_row + qr rows] . pool[b_row rows]^T over D
+            for i in T.unroll(NS * 4):
+                acc[i] = T.float32(0)
+            for kk in T.unroll(D // 16):
+                load_a(af, 0, pool, a_row + qr, kk * 16, lane)
+                for nn in T.unroll(BN // 16):
+                    load_b(bf, pool, b_row + nn * 16, kk * 16, lane)
+                    mma_16x16(MMA, acc, nn * 8, af, 0, bf)
+
+        @T.inline
+        def probabilities(k0, masked):
+            for nt in T.unroll(NS):
+                for hh in T.unroll(2):
+                    for e in T.unroll(2):
+                        idx = T.meta_var(nt * 4 + hh * 2 + e)
+                        ix = T.meta_var(ScoreIndex(b, h, q0 + qr + lane // 4 + hh * 8, k0 + nt * 8 + lane % 4 * 2 + e))
+                        if masked or score.changes_values:
+                            s[idx] = T.exp2(score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - lse2[hh])
+                        else:
+                            s[idx] = T.exp2(s[idx] * scale_log2 - lse2[hh])
+
+        copy_rows(pool, Q_ROW, Q, b, h, q0, BM, LQ, D, tid, NT)
+        copy_rows(pool, DO_ROW, DO, b, h, q0, BM, LQ, D, tid, NT)
+        copy_rows(pool, K_ROW, K, b, hk, kb_lo * BN, BN, LK, D, tid, NT)
+        copy_rows(pool, V_ROW, V, b, hk, kb_lo * BN, BN, LK, D, tid, NT)
+        T.ptx["cp.async.commit_group"]()
+        for hh in T.unroll(2):
+            row = T.meta_var(T.min(q0 + qr + lane // 4 + hh * 8, LQ - 1))
+            lse2[hh] = LSE2[b, h, row]
+            delta[hh] = DELTA[b, h, row]
+        for i in T.unroll(ND * 4):
+            dq[i] = T.float32(0)
+
+        for j in T.serial(kb_hi - kb_lo):
+            buf = T.meta_var(j % 2)
+            k0 = T.meta_var((kb_lo + j) * BN)
+            if kb_lo + j + 1 < kb_hi:
+                copy_rows(pool, K_ROW + (1 - buf) * BN, K, b, hk, k0 + BN, BN, LK, D, tid, NT)
+                copy_rows(pool, V_ROW + (1 - buf) * BN, V, b, hk, k0 + BN, BN, LK, D, tid, NT)
+            T.ptx["cp.async.commit_group"]()
+            T.ptx["cp.async.wait_group"](1)
+            T.cuda.cta_sync()
+            k_tile = T.meta_var(K_ROW + buf * BN)
+            row_scores(s, Q_ROW, k_tile)
+            if score.tile_unmasked(q0, q0 + BM, k0, k0 + BN):
+                probabilities(k0, False)
+            else:
+                probabilities(k0, True)
+            row_scores(dp, DO_ROW, V_ROW + buf * BN)          # dP = dO V^T
+            for nt in T.unroll(NS):                           # dS = P (dP - delta)
+                for i in T.unroll(4):
+                    idx = T.meta_var(nt * 4 + i)
+                    p[idx] = T.Cast(dt, s[idx] * (dp[idx] - delta[i // 2]))
+            for kk in T.unroll(BN // 16):                     # dQ += dS K
+                for dd in T.unroll(D // 16):
+                    load_b_trans(bf, pool, k_tile + kk * 16, dd * 16, lane)
+                    mma_16x16(MMA, dq, dd * 8, pw, kk * 4, bf)
+            T.cuda.cta_sync()
+        for hh in T.unroll(2):
+            row = T.meta_var(q0 + qr + lane // 4 + hh * 8)
+            if row < LQ:
+                for dd in T.unroll(ND):
+                    for e in T.unroll(2):
+                        DQ[b, h, row, dd * 8 + lane % 4 * 2 + e] = T.Cast(dt, dq[dd * 4 + hh * 2 + e] * scale)
+
+    return dq_fn.with_attr("global_symbol", "backward_dq")
+
+
+def backward_kernels_cuda(spec: AttentionSpec, knobs: dict) -> dict:
+    """Every backward kernel of `spec`, by its module function name."""
+    return {
+        "backward_prep": backward_prep_kernel(spec),
+        "backward_dkdv_dq": dkdv_kernel(spec, knobs, with_dq=True),
+        "backward_dq_convert": dq_convert_kernel(spec),
+        "backward_dkdv": dkdv_kernel(spec, knobs, with_dq=False),
+        "backward_dq": dq_kernel(spec, knobs),
+    }

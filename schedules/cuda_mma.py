@@ -1,0 +1,87 @@
+"""Building blocks of the CUDA tensor-core kernels (forward and backward): `cp.async` tile
+copies, `ldmatrix` fragment loads and `mma.sync.m16n8k16`, as TVMScript macros.
+
+Fragment conventions (PTX ISA, mma.m16n8k16 with 16-bit inputs and fp32 accumulators): lane
+`l` holds rows g = l/4 and g + 8 and columns 2*(l%4) (+1) of an accumulator n8 tile, four
+floats per tile at `acc[t .. t+3]` = (g, c), (g, c+1), (g+8, c), (g+8, c+1). An A fragment
+(m16 x k16) is four uint32 registers, a B fragment (k16 x n8) two; `ldmatrix.x4` loads one A
+fragment or the B fragments of two n8 tiles at once. Shared-memory tiles are row-major with
+rows padded by PAD elements, which keeps `ldmatrix` free of bank conflicts.
+"""
+from __future__ import annotations
+
+import math
+
+from tvm.script import tirx as T
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+PAD = 8  # elements of padding per shared-memory row
+LDM = "ldmatrix.sync.aligned.m8n8.x4.shared.b16"
+LDM_T = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"
+
+
+def mma_op(dtype: str) -> str:
+    if dtype not in ("float16", "bfloat16"):
+        raise ValueError(f"CUDA kernels take float16 or bfloat16, got {dtype}")
+    ab = "f16" if dtype == "float16" else "bf16"
+    return f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32"
+
+
+def smem_scope(nbytes: int) -> str:
+    """Static shared memory up to 48 KB, else the (single) dynamic allocation."""
+    return "shared" if nbytes <= 48 * 1024 else "shared.dyn"
+
+
+@T.inline
+def copy_rows(pool, pool_row0, src, b, head, row0, nrows, limit, width, tid, nthreads):
+    """nrows x width elements of src[b, head, row0:, :] into pool rows pool_row0.. with
+    `cp.async` (16 bytes a thread); rows at or past `limit` are zero-filled (source size 0)
+    with the source address clamped in bounds."""
+    for it in T.unroll((nrows * width // 8 + nthreads - 1) // nthreads):
+        c = T.meta_var(tid + it * nthreads)
+        r = T.meta_var(c // (width // 8))
+        cc = T.meta_var(c % (width // 8) * 8)
+        row = T.meta_var(row0 + r)
+        if nrows * width // 8 % nthreads == 0 or c < nrows * width // 8:
+            T.ptx["cp.async.cg.shared.global"](
+                pool.ptr_to([pool_row0 + r, cc]), src.ptr_to([b, head, T.min(row, limit - 1), cc]),
+                16, T.Select(row < limit, T.uint32(16), T.uint32(0)))
+
+
+@T.inline
+def load_a(frag, f0, pool, row, col, lane):
+    """A fragment (m16 x k16) from a row-major [m][k] tile at (row, col) into frag[f0 .. f0+3]."""
+    T.ptx[LDM](frag[f0], frag[f0 + 1], frag[f0 + 2], frag[f0 + 3],
+               pool.ptr_to([row + lane % 16, col + lane // 16 * 8]))
+
+
+@T.inline
+def load_a_trans(frag, f0, pool, row, col, lane):
+    """A fragment (m16 x k16) from a [k][m] tile at (row = k, col = m)."""
+    T.ptx[LDM_T](frag[f0], frag[f0 + 1], frag[f0 + 2], frag[f0 + 3],
+                 pool.ptr_to([row + lane // 16 * 8 + lane % 8, col + lane // 8 % 2 * 8]))
+
+
+@T.inline
+def load_b(frag, pool, row, col, lane):
+    """B fragments of two n8 tiles (k16 x n16) from an [n][k] tile at (row = n, col = k):
+    frag[0:2] is n-tile 0, frag[2:4] n-tile 1."""
+    T.ptx[LDM](frag[0], frag[1], frag[2], frag[3],
+               pool.ptr_to([row + lane % 8 + lane // 16 * 8, col + lane // 8 % 2 * 8]))
+
+
+@T.inline
+def load_b_trans(frag, pool, row, col, lane):
+    """B fragments of two n8 tiles from a [k][n] tile at (row = k, col = n)."""
+    T.ptx[LDM_T](frag[0], frag[1], frag[2], frag[3],
+                 pool.ptr_to([row + lane % 8 + lane // 8 % 2 * 8, col + lane // 16 * 8]))
+
+
+@T.inline
+def mma_16x16(op, acc, t, a, a0, b):
+    """acc n8 tiles at t and t + 4 += A (a[a0 .. a0+3]) x the two B tiles in b[0:4]."""
+    for half in T.unroll(2):
+        T.ptx[op](acc[t + half * 4], acc[t + half * 4 + 1], acc[t + half * 4 + 2], acc[t + half * 4 + 3],
+                  a[a0], a[a0 + 1], a[a0 + 2], a[a0 + 3], b[half * 2], b[half * 2 + 1],
+                  acc[t + half * 4], acc[t + half * 4 + 1], acc[t + half * 4 + 2], acc[t + half * 4 + 3])
