@@ -25,3 +25,24 @@ def test_record_keeps_the_fastest_candidate_per_spec(tmp_path, monkeypatch):
     tune_cuda.record(tmp_path)
     records = json.loads((logs / "cuda" / "knobs.json").read_text())
     assert records == {"other_spec": {"block_m": 64}, spec.name: {"block_m": 128}}
+
+
+def test_record_merges_forward_and_backward_phases(tmp_path, monkeypatch):
+    logs = tmp_path / "logs"
+    monkeypatch.setattr(tune_cuda, "TUNING_LOGS_DIR", logs)
+    spec = AttentionSpec("bfloat16", 128, causal="top_left")
+    timings = [{"spec": spec.to_dict(), "phase": "forward", "knobs": {"block_m": 64}, "ms": 1.0, "tflops": 1.0},
+               {"spec": spec.to_dict(), "phase": "backward", "knobs": {"bwd_block_n": 128, "bwd_block_m": 64},
+                "ms": 3.0, "tflops": 1.0},
+               {"spec": spec.to_dict(), "phase": "backward", "knobs": {"bwd_block_n": 64, "bwd_block_m": 32},
+                "ms": 2.5, "tflops": 1.0}]
+    (tmp_path / "timings.json").write_text(json.dumps(timings))
+    tune_cuda.record(tmp_path)
+    records = json.loads((logs / "cuda" / "knobs.json").read_text())
+    assert records == {spec.name: {"block_m": 64, "bwd_block_n": 64, "bwd_block_m": 32}}
+
+
+def test_backward_candidates_fit_shared_memory():
+    for d in (64, 128, 256):
+        cands = tune_cuda.candidates(AttentionSpec("float16", d), "backward")
+        assert cands and all(set(c) == {"bwd_block_n", "bwd_block_m"} for c in cands)

@@ -5,9 +5,13 @@ time them on the GPU (TVM runtime only), record the fastest per spec in
 The CUDA attention kernels are TIRx native kernels generated from Python knobs, which
 MetaSchedule traces cannot describe (see the GPU cookbook), so the search is this explicit grid.
 
-    python -m tvmflash.tune_cuda build DIR     # here: DIR/<spec>/<knobs>.so + DIR/index.json
+    python -m tvmflash.tune_cuda build DIR [forward|backward]  # here: DIR/<spec>/<knobs>.so + index
     python -m tvmflash.tune_cuda time DIR      # on the GPU: DIR/timings.json
     python -m tvmflash.tune_cuda record DIR    # here: best knobs -> tuning_logs/cuda/knobs.json
+
+The forward and the backward have separate knobs and are tuned as separate phases: a
+candidate varies one phase's knobs (the other's stay at their record) and is timed on that
+phase's kernels; the record keeps the best of each phase.
 """
 from __future__ import annotations
 
@@ -25,12 +29,17 @@ TUNED_SPECS = [AttentionSpec(dt, d, causal=c) for dt, d, c in itertools.product(
 SMEM_LIMIT = 227 * 1024
 
 
-def candidates(spec: AttentionSpec) -> list[dict]:
+def candidates(spec: AttentionSpec, phase: str = "forward") -> list[dict]:
+    row_bytes = (spec.head_dim + 8) * 2
     out = []
-    for bm, bn, q_regs in itertools.product((64, 128), (32, 64, 128), (1, 0)):
-        smem = (bm + 4 * bn) * (spec.head_dim + 8) * 2
-        if smem <= SMEM_LIMIT and not (q_regs and spec.head_dim > 128):
-            out.append({"block_m": bm, "block_n": bn, "q_in_registers": q_regs})
+    if phase == "forward":
+        for bm, bn, q_regs in itertools.product((64, 128), (32, 64, 128), (1, 0)):
+            if (bm + 4 * bn) * row_bytes <= SMEM_LIMIT and not (q_regs and spec.head_dim > 128):
+                out.append({"block_m": bm, "block_n": bn, "q_in_registers": q_regs})
+    else:
+        for bn, bm in itertools.product((64, 128), (32, 64)):
+            if (2 * bn + 4 * bm) * row_bytes + bn * (bm + 8) * 2 <= SMEM_LIMIT:
+                out.append({"bwd_block_n": bn, "bwd_block_m": bm})
     return out
 
 
@@ -38,16 +47,17 @@ def _tag(knobs: dict) -> str:
     return "_".join(f"{k}{v}" for k, v in sorted(knobs.items()))
 
 
-def build(out_dir: Path) -> None:
+def build(out_dir: Path, phase: str = "forward") -> None:
     from .build import build_module, cuda_target
 
     index = []
     for spec in TUNED_SPECS:
-        for knobs in candidates(spec):
+        for knobs in candidates(spec, phase):
             lib = out_dir / spec.name / f"{_tag(knobs)}.so"
             lib.parent.mkdir(parents=True, exist_ok=True)
             build_module(spec, cuda_target("sm_90a"), knobs).export_library(str(lib))
-            index.append({"spec": spec.to_dict(), "knobs": knobs, "lib": str(lib.relative_to(out_dir))})
+            index.append({"spec": spec.to_dict(), "phase": phase, "knobs": knobs,
+                          "lib": str(lib.relative_to(out_dir))})
             print(f"built {spec.name} {knobs}", flush=True)
     (out_dir / "index.json").write_text(json.dumps(index, indent=1))
 
@@ -58,26 +68,37 @@ def time_candidates(out_dir: Path, seqlen: int = 4096) -> None:
 
     from .build import _load, cuda_target
 
+    from .ops import _backward_cuda
+
     results = []
     for entry in json.loads((out_dir / "index.json").read_text()):
         spec = AttentionSpec(**{**entry["spec"], "score_mods": ()})
-        fn = _load(out_dir / entry["lib"], cuda_target())["forward"]
+        kern = _load(out_dir / entry["lib"], cuda_target())
         dt = getattr(torch, spec.dtype)
         b, h, d = 16384 // seqlen, 2048 // spec.head_dim, spec.head_dim
-        q, k, v = (torch.randn(b, h, seqlen, d, device="cuda", dtype=dt) for _ in range(3))
-        o = torch.empty_like(q)
+        q, k, v, do = (torch.randn(b, h, seqlen, d, device="cuda", dtype=dt) for _ in range(4))
+        o, dq, dk, dv = (torch.empty_like(q) for _ in range(4))
         lse = torch.empty(b, h, seqlen, device="cuda", dtype=torch.float32)
+        backward = entry.get("phase") == "backward"
+
+        def call():
+            if backward:
+                _backward_cuda(kern, do, q, k, v, o, lse, None, (), d ** -0.5, False, dq, dk, dv)
+            else:
+                kern["forward"](q, k, v, o, lse, d ** -0.5)
+
         with tvm_ffi.use_torch_stream():
+            kern["forward"](q, k, v, o, lse, d ** -0.5)
             for _ in range(3):
-                fn(q, k, v, o, lse, d ** -0.5)
+                call()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(20):
-                fn(q, k, v, o, lse, d ** -0.5)
+                call()
             end.record()
         torch.cuda.synchronize()
         ms = start.elapsed_time(end) / 20
-        flops = 4 * b * h * seqlen * seqlen * d * (0.5 if spec.causal != "none" else 1)
+        flops = 4 * b * h * seqlen * seqlen * d * (0.5 if spec.causal != "none" else 1) * (2.5 if backward else 1)
         results.append({**entry, "ms": ms, "tflops": flops / ms / 1e9})
         print(f"{spec.name} {entry['knobs']}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
     (out_dir / "timings.json").write_text(json.dumps(results, indent=1))
@@ -89,20 +110,20 @@ def record(out_dir: Path) -> None:
     records = json.loads(path.read_text()) if path.exists() else {}
     best: dict = {}
     for r in json.loads((out_dir / "timings.json").read_text()):
-        name = AttentionSpec(**{**r["spec"], "score_mods": ()}).name
-        if name not in best or r["ms"] < best[name]["ms"]:
-            best[name] = r
-    for name, r in sorted(best.items()):
-        records[name] = r["knobs"]
-        print(f"{name}: {r['knobs']} {r['tflops']:.0f} TFLOP/s")
+        key = (AttentionSpec(**{**r["spec"], "score_mods": ()}).name, r.get("phase", "forward"))
+        if key not in best or r["ms"] < best[key]["ms"]:
+            best[key] = r
+    for (name, phase), r in sorted(best.items()):
+        records[name] = {**records.get(name, {}), **r["knobs"]}
+        print(f"{name} {phase}: {r['knobs']} {r['tflops']:.0f} TFLOP/s")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(records, indent=1, sort_keys=True) + "\n")
 
 
 def main(argv: list[str]) -> None:
-    verb, out_dir = argv[0], Path(argv[1])
+    verb, out_dir, *rest = argv
     start = time.time()
-    {"build": build, "time": time_candidates, "record": record}[verb](out_dir)
+    {"build": build, "time": time_candidates, "record": record}[verb](Path(out_dir), *rest)
     print(f"{verb}: {time.time() - start:.0f} s")
 
 
