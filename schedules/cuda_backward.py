@@ -32,17 +32,17 @@ from tvmflash.kernels.common import F32, NEG_INF, KernelArgs, Shape
 from tvmflash.kernels.score_mods import ScoreIndex, ScorePipeline
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (LOG2E, PAD, copy_rows, load_a, load_a_trans, load_b, load_b_trans, mma_16x16,
-                       mma_op, smem_scope)
+from .cuda_mma import (LOG2E, PAD, copy_rows, load_a_trans, mma_op, smem_scope, warp_gemm_nt,
+                       warp_gemm_rn)
 
-DEFAULTS = {"bwd_block_n": 64, "bwd_block_m": 64, "dq_block_m": 64, "dq_block_n": 64}
+DEFAULTS = {"bwd_block_n": 128, "bwd_block_m": 64, "dq_block_m": 64, "dq_block_n": 64}
 ROWS_PER_CTA = 8  # prep / convert kernels: one warp per row
 
 
 def default_knobs(spec: AttentionSpec) -> dict:
     knobs = dict(DEFAULTS)
     if spec.head_dim > 128:
-        knobs.update(bwd_block_m=32, dq_block_n=32)
+        knobs.update(bwd_block_n=64, bwd_block_m=32, dq_block_n=32)
     return knobs
 
 
@@ -193,8 +193,8 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
         pool = T.alloc_buffer((ROWS, D + PAD), dt, scope=POOL, align=128)
         stats = T.alloc_buffer((2, 2, BM), F32, scope="shared", align=16)  # [buf][lse2|delta][q]
         ds_t = T.alloc_buffer((BN, DS_W), dt, scope="shared", align=128)
-        af = T.alloc_local([4], "uint32")
-        bf = T.alloc_local([4], "uint32")
+        af = T.alloc_local([8], "uint32")
+        bf = T.alloc_local([8], "uint32")
         s = T.alloc_local([NQ8 * 4], F32)
         dp = T.alloc_local([NQ8 * 4], F32)
         p = T.alloc_local([NQ8 * 4], dt)
@@ -235,19 +235,7 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
             # acc (16 keys x BM queries) = pool[a_row + kr rows] . pool[b_row rows]^T over D
             for i in T.unroll(NQ8 * 4):
                 acc[i] = T.float32(0)
-            for kk in T.unroll(D // 16):
-                load_a(af, 0, pool, a_row + kr, kk * 16, lane)
-                for nn in T.unroll(BM // 16):
-                    load_b(bf, pool, b_row + nn * 16, kk * 16, lane)
-                    mma_16x16(MMA, acc, nn * 8, af, 0, bf)
-
-        @T.inline
-        def accumulate_keys(acc, b_row):
-            # acc (16 keys x D) += p (16 keys x BM queries, as A fragments) . pool[b_row rows]
-            for kk in T.unroll(BM // 16):
-                for dd in T.unroll(D // 16):
-                    load_b_trans(bf, pool, b_row + kk * 16, dd * 16, lane)
-                    mma_16x16(MMA, acc, dd * 8, pw, kk * 4, bf)
+            warp_gemm_nt(MMA, acc, af, bf, pool, a_row + kr, b_row, BM // 16, D // 16, lane)
 
         @T.inline
         def probabilities(h, q0, buf, masked):
@@ -289,14 +277,14 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
                 probabilities(h, q0, buf, False)
             else:
                 probabilities(h, q0, buf, True)
-            accumulate_keys(dv, do_tile)                       # dV += P^T dO
+            warp_gemm_rn(MMA, dv, pw, bf, pool, do_tile, 0, D // 16, BM // 16, lane)   # dV += P^T dO
             transposed_scores(dp, V_ROW, do_tile)              # dP^T = V dO^T
             for nt in T.unroll(NQ8):                           # dS^T = P^T (dP^T - delta)
                 for i in T.unroll(4):
                     idx = T.meta_var(nt * 4 + i)
                     s[idx] = s[idx] * (dp[idx] - stats[buf, 1, nt * 8 + lane % 4 * 2 + i % 2])
                     p[idx] = T.Cast(dt, s[idx])
-            accumulate_keys(dk, q_tile)                        # dK += dS^T Q (scaled at the end)
+            warp_gemm_rn(MMA, dk, pw, bf, pool, q_tile, 0, D // 16, BM // 16, lane)    # dK += dS^T Q (x scale at the end)
             if with_dq:
                 # dS^T to shared memory, then dQ (BM x D) += dS K, split over the warps
                 for nt in T.unroll(NQ8):
@@ -311,9 +299,7 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
                     for dd in T.unroll(DQ_COLS // 16):
                         for i in T.unroll(8):
                             acc[i] = T.float32(0)
-                        for kk in T.unroll(BN // 16):
-                            load_b_trans(bf, pool, K_ROW + kk * 16, col0 + dd * 16, lane)
-                            mma_16x16(MMA, acc, 0, dsf, kk * 4, bf)
+                        warp_gemm_rn(MMA, acc, dsf, bf, pool, K_ROW, col0 + dd * 16, 1, BN // 16, lane)
                         for half in T.unroll(2):
                             for hh in T.unroll(2):
                                 row = T.meta_var(q0 + rt * 16 + lane // 4 + hh * 8)
@@ -372,8 +358,8 @@ def dq_kernel(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         q0 = T.meta_var(T.Cast("int64", bx) * BM)
         qr = T.meta_var(warp * 16)
         pool = T.alloc_buffer((ROWS, D + PAD), dt, scope=POOL, align=128)
-        af = T.alloc_local([4], "uint32")
-        bf = T.alloc_local([4], "uint32")
+        af = T.alloc_local([8], "uint32")
+        bf = T.alloc_local([8], "uint32")
         s = T.alloc_local([NS * 4], F32)
         dp = T.alloc_local([NS * 4], F32)
         p = T.alloc_local([NS * 4], dt)
@@ -389,11 +375,7 @@ def dq_kernel(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             # acc (16 queries x BN keys) = pool[a_row + qr rows] . pool[b_row rows]^T over D
             for i in T.unroll(NS * 4):
                 acc[i] = T.float32(0)
-            for kk in T.unroll(D // 16):
-                load_a(af, 0, pool, a_row + qr, kk * 16, lane)
-                for nn in T.unroll(BN // 16):
-                    load_b(bf, pool, b_row + nn * 16, kk * 16, lane)
-                    mma_16x16(MMA, acc, nn * 8, af, 0, bf)
+            warp_gemm_nt(MMA, acc, af, bf, pool, a_row + qr, b_row, BN // 16, D // 16, lane)
 
         @T.inline
         def probabilities(k0, masked):
@@ -439,10 +421,7 @@ def dq_kernel(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                 for i in T.unroll(4):
                     idx = T.meta_var(nt * 4 + i)
                     p[idx] = T.Cast(dt, s[idx] * (dp[idx] - delta[i // 2]))
-            for kk in T.unroll(BN // 16):                     # dQ += dS K
-                for dd in T.unroll(D // 16):
-                    load_b_trans(bf, pool, k_tile + kk * 16, dd * 16, lane)
-                    mma_16x16(MMA, dq, dd * 8, pw, kk * 4, bf)
+            warp_gemm_rn(MMA, dq, pw, bf, pool, k_tile, 0, D // 16, BN // 16, lane)   # dQ += dS K
             T.cuda.cta_sync()
         for hh in T.unroll(2):
             row = T.meta_var(q0 + qr + lane // 4 + hh * 8)

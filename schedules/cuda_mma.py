@@ -64,24 +64,50 @@ def load_a_trans(frag, f0, pool, row, col, lane):
 
 
 @T.inline
-def load_b(frag, pool, row, col, lane):
+def load_b(frag, f0, pool, row, col, lane):
     """B fragments of two n8 tiles (k16 x n16) from an [n][k] tile at (row = n, col = k):
-    frag[0:2] is n-tile 0, frag[2:4] n-tile 1."""
-    T.ptx[LDM](frag[0], frag[1], frag[2], frag[3],
+    frag[f0 : f0+2] is n-tile 0, frag[f0+2 : f0+4] n-tile 1."""
+    T.ptx[LDM](frag[f0], frag[f0 + 1], frag[f0 + 2], frag[f0 + 3],
                pool.ptr_to([row + lane % 8 + lane // 16 * 8, col + lane // 8 % 2 * 8]))
 
 
 @T.inline
-def load_b_trans(frag, pool, row, col, lane):
+def load_b_trans(frag, f0, pool, row, col, lane):
     """B fragments of two n8 tiles from a [k][n] tile at (row = k, col = n)."""
-    T.ptx[LDM_T](frag[0], frag[1], frag[2], frag[3],
+    T.ptx[LDM_T](frag[f0], frag[f0 + 1], frag[f0 + 2], frag[f0 + 3],
                  pool.ptr_to([row + lane % 8 + lane // 8 % 2 * 8, col + lane // 16 * 8]))
 
 
 @T.inline
-def mma_16x16(op, acc, t, a, a0, b):
-    """acc n8 tiles at t and t + 4 += A (a[a0 .. a0+3]) x the two B tiles in b[0:4]."""
+def mma_16x16(op, acc, t, a, a0, b, b0):
+    """acc n8 tiles at t and t + 4 += A (a[a0 .. a0+3]) x the two B tiles in b[b0 .. b0+3]."""
     for half in T.unroll(2):
         T.ptx[op](acc[t + half * 4], acc[t + half * 4 + 1], acc[t + half * 4 + 2], acc[t + half * 4 + 3],
-                  a[a0], a[a0 + 1], a[a0 + 2], a[a0 + 3], b[half * 2], b[half * 2 + 1],
+                  a[a0], a[a0 + 1], a[a0 + 2], a[a0 + 3], b[b0 + half * 2], b[b0 + half * 2 + 1],
                   acc[t + half * 4], acc[t + half * 4 + 1], acc[t + half * 4 + 2], acc[t + half * 4 + 3])
+
+
+@T.inline
+def warp_gemm_nt(op, acc, af, bf, pool, a_row, b_row, n16, k16, lane):
+    """acc (16 x 16*n16, n8 tiles) += pool[a_row: +16, :16*k16] . pool[b_row: +16*n16, :16*k16]^T.
+    Fragments are double-buffered (af, bf hold 8 registers): the loads of step i + 1 are
+    issued before the mma of step i, so tensor cores do not wait on each ldmatrix."""
+    load_a(af, 0, pool, a_row, 0, lane)
+    load_b(bf, 0, pool, b_row, 0, lane)
+    for i in T.unroll(n16 * k16):
+        if i + 1 < n16 * k16:
+            if (i + 1) % n16 == 0:
+                load_a(af, (i + 1) // n16 % 2 * 4, pool, a_row, (i + 1) // n16 * 16, lane)
+            load_b(bf, (i + 1) % 2 * 4, pool, b_row + (i + 1) % n16 * 16, (i + 1) // n16 * 16, lane)
+        mma_16x16(op, acc, i % n16 * 8, af, i // n16 % 2 * 4, bf, i % 2 * 4)
+
+
+@T.inline
+def warp_gemm_rn(op, acc, a, bf, pool, b_row, b_col, n16, k16, lane):
+    """acc (16 x 16*n16) += A (register fragments a[kk*4 ..], k16 steps) . pool[b_row: +16*k16,
+    b_col: +16*n16] (row-major [k][n], read transposed by ldmatrix), B double-buffered."""
+    load_b_trans(bf, 0, pool, b_row, b_col, lane)
+    for i in T.unroll(n16 * k16):
+        if i + 1 < n16 * k16:
+            load_b_trans(bf, (i + 1) % 2 * 4, pool, b_row + (i + 1) // n16 * 16, b_col + (i + 1) % n16 * 16, lane)
+        mma_16x16(op, acc, i % n16 * 8, a, i // n16 * 4, bf, i % 2 * 4)
