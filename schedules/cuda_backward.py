@@ -167,6 +167,7 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
     if with_dq and (RT % NW if RT >= NW else NW % RT or (D // CG) % 16):
         raise ValueError(f"bwd_block_m {BM} does not divide dQ work over {NW} warps (head_dim {D})")
     DQ_COLS = D // CG
+    DQ_CHUNK = 32 if DQ_COLS % 32 == 0 else 16  # dQ columns per pass: independent mma chains
 
     shape = Shape.fresh()
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
@@ -201,20 +202,23 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
         dk = T.alloc_local([ND * 4], F32)
         dv = T.alloc_local([ND * 4], F32)
         dsf = T.alloc_local([BN // 16 * 4], "uint32")
-        acc = T.alloc_local([8], F32)
+        acc = T.alloc_local([DQ_CHUNK // 2], F32)
         pw = p.view("uint32")
         ds_w = ds_t.view("uint32")
         scale_log2 = T.meta_var(scale * T.float32(LOG2E))
         qb_lo, qb_hi = T.meta_var(score.q_blocks(k0, T.min(k0 + BN, LK), BM))
         NQB = T.meta_var(qb_hi - qb_lo)
         NJ = T.meta_var(G * NQB)
-        step_h = T.meta_var(lambda j: hk * G + j // T.max(NQB, 1))
-        step_q0 = T.meta_var(lambda j: (qb_lo + j % T.max(NQB, 1)) * BM)
+        # the step's (group head, q-block) and the next one's, advanced without divisions
+        cur = T.alloc_local([2], "int64")
+        nxt = T.alloc_local([2], "int64")
+        step_h = T.meta_var(lambda st: hk * G + st[0])
+        step_q0 = T.meta_var(lambda st: (qb_lo + st[1]) * BM)
 
         @T.inline
-        def load_step(j, buf):
-            h = T.meta_var(step_h(j))
-            q0 = T.meta_var(step_q0(j))
+        def load_step(st, buf):
+            h = T.meta_var(step_h(st))
+            q0 = T.meta_var(step_q0(st))
             copy_rows(pool, Q_ROW + buf * BM, Q, b, h, q0, BM, LQ, D, tid, NT)
             copy_rows(pool, DO_ROW + buf * BM, DO, b, h, q0, BM, LQ, D, tid, NT)
             for it in T.unroll((2 * BM + NT - 1) // NT):
@@ -252,10 +256,12 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
                             s[idx] = T.exp2(s[idx] * scale_log2 - stats[buf, 0, qc])
                         p[idx] = T.Cast(dt, s[idx])
 
+        cur[0] = T.int64(0)
+        cur[1] = T.int64(0)
         if NJ > 0:
             copy_rows(pool, K_ROW, K, b, hk, k0, BN, LK, D, tid, NT)
             copy_rows(pool, V_ROW, V, b, hk, k0, BN, LK, D, tid, NT)
-            load_step(0, 0)
+            load_step(cur, 0)
         T.ptx["cp.async.commit_group"]()
         for i in T.unroll(ND * 4):
             dk[i] = T.float32(0)
@@ -263,10 +269,12 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
 
         for j in T.serial(NJ):
             buf = T.meta_var(j % 2)
-            h = T.meta_var(step_h(j))
-            q0 = T.meta_var(step_q0(j))
+            h = T.meta_var(step_h(cur))
+            q0 = T.meta_var(step_q0(cur))
+            nxt[0] = T.Select(cur[1] + 1 < NQB, cur[0], cur[0] + 1)
+            nxt[1] = T.Select(cur[1] + 1 < NQB, cur[1] + 1, T.int64(0))
             if j + 1 < NJ:  # prefetch the next q-block into the other buffer
-                load_step(j + 1, 1 - buf)
+                load_step(nxt, 1 - buf)
             T.ptx["cp.async.commit_group"]()
             T.ptx["cp.async.wait_group"](1)
             T.cuda.cta_sync()
@@ -296,18 +304,21 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
                     col0 = T.meta_var(0 if RT >= NW else warp // RT * DQ_COLS)
                     for kk in T.unroll(BN // 16):
                         load_a_trans(dsf, kk * 4, ds_t, kk * 16, rt * 16, lane)
-                    for dd in T.unroll(DQ_COLS // 16):
-                        for i in T.unroll(8):
+                    for dd in T.unroll(DQ_COLS // DQ_CHUNK):
+                        for i in T.unroll(DQ_CHUNK // 2):
                             acc[i] = T.float32(0)
-                        warp_gemm_rn(MMA, acc, dsf, bf, pool, K_ROW, col0 + dd * 16, 1, BN // 16, lane)
-                        for half in T.unroll(2):
+                        warp_gemm_rn(MMA, acc, dsf, bf, pool, K_ROW, col0 + dd * DQ_CHUNK, DQ_CHUNK // 16,
+                                     BN // 16, lane)
+                        for nt in T.unroll(DQ_CHUNK // 8):
                             for hh in T.unroll(2):
                                 row = T.meta_var(q0 + rt * 16 + lane // 4 + hh * 8)
                                 if row < LQ:
                                     T.ptx["red.global.add.v2.f32"](
-                                        DQ_ACC.ptr_to([b, h, row, col0 + dd * 16 + half * 8 + lane % 4 * 2]),
-                                        acc[half * 4 + hh * 2], acc[half * 4 + hh * 2 + 1])
+                                        DQ_ACC.ptr_to([b, h, row, col0 + dd * DQ_CHUNK + nt * 8 + lane % 4 * 2]),
+                                        acc[nt * 4 + hh * 2], acc[nt * 4 + hh * 2 + 1])
             T.cuda.cta_sync()  # buffers are refilled by the next iteration's prefetch
+            cur[0] = nxt[0]
+            cur[1] = nxt[1]
         for dd in T.unroll(ND):
             for hh in T.unroll(2):
                 key = T.meta_var(k0 + kr + lane // 4 + hh * 8)
