@@ -20,6 +20,8 @@ GPU is here. Four kernels:
 Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/knobs.json):
     bwd_block_n   keys per dK/dV CTA (16 per warp)
     bwd_block_m   queries per streamed q-block in the dK/dV kernel
+    bwd_stages    Q/dO/stats buffers in the ring (3 saves one CTA barrier per q-block)
+    bwd_dq_chunk  dQ columns a warp accumulates at once (independent mma chains vs registers)
     dq_block_m    queries per dQ CTA (16 per warp), deterministic path
     dq_block_n    keys per K/V tile of the dQ kernel
 """
@@ -35,7 +37,8 @@ from tvmflash.spec import AttentionSpec
 from .cuda_mma import (LOG2E, PAD, copy_rows, load_a_trans, mma_op, smem_scope, warp_gemm_nt,
                        warp_gemm_rn)
 
-DEFAULTS = {"bwd_block_n": 128, "bwd_block_m": 64, "dq_block_m": 64, "dq_block_n": 64}
+DEFAULTS = {"bwd_block_n": 128, "bwd_block_m": 64, "bwd_stages": 3, "bwd_dq_chunk": 32,
+            "dq_block_m": 64, "dq_block_n": 64}
 ROWS_PER_CTA = 8  # prep / convert kernels: one warp per row
 
 
@@ -156,9 +159,12 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
     NT = NW * 32
     NQ8 = BM // 8           # n8 tiles of a warp's S^T (16 keys x BM queries)
     ND = D // 8             # n8 tiles of dK / dV
-    # pool rows (D + PAD wide): K | V | Q0 Q1 | dO0 dO1
-    K_ROW, V_ROW, Q_ROW, DO_ROW = 0, BN, 2 * BN, 2 * BN + 2 * BM
-    ROWS = 2 * BN + 4 * BM
+    STAGES = knobs["bwd_stages"]
+    if STAGES not in (2, 3):
+        raise ValueError(f"bwd_stages must be 2 or 3, got {STAGES}")
+    # pool rows (D + PAD wide): K | V | Q ring | dO ring
+    K_ROW, V_ROW, Q_ROW, DO_ROW = 0, BN, 2 * BN, 2 * BN + STAGES * BM
+    ROWS = 2 * BN + 2 * STAGES * BM
     POOL = smem_scope(ROWS * (D + PAD) * 2)
     DS_W = BM + PAD         # dS^T rows in shared memory (for dQ)
     # dQ work split: row tiles of 16 queries x column ranges, one per warp (or several tiles)
@@ -167,7 +173,9 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
     if with_dq and (RT % NW if RT >= NW else NW % RT or (D // CG) % 16):
         raise ValueError(f"bwd_block_m {BM} does not divide dQ work over {NW} warps (head_dim {D})")
     DQ_COLS = D // CG
-    DQ_CHUNK = 32 if DQ_COLS % 32 == 0 else 16  # dQ columns per pass: independent mma chains
+    DQ_CHUNK = min(knobs["bwd_dq_chunk"], DQ_COLS)  # dQ columns per pass: independent mma chains
+    if DQ_COLS % DQ_CHUNK or DQ_CHUNK % 16:
+        raise ValueError(f"bwd_dq_chunk {DQ_CHUNK} must be a multiple of 16 dividing {DQ_COLS}")
 
     shape = Shape.fresh()
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
@@ -192,7 +200,7 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
         k0 = T.meta_var(T.Cast("int64", bx) * BN)
         kr = T.meta_var(warp * 16)                 # this warp's key rows in the tile
         pool = T.alloc_buffer((ROWS, D + PAD), dt, scope=POOL, align=128)
-        stats = T.alloc_buffer((2, 2, BM), F32, scope="shared", align=16)  # [buf][lse2|delta][q]
+        stats = T.alloc_buffer((STAGES, 2, BM), F32, scope="shared", align=16)  # [buf][lse2|delta][q]
         ds_t = T.alloc_buffer((BN, DS_W), dt, scope="shared", align=128)
         af = T.alloc_local([8], "uint32")
         bf = T.alloc_local([8], "uint32")
@@ -268,13 +276,13 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
             dv[i] = T.float32(0)
 
         for j in T.serial(NJ):
-            buf = T.meta_var(j % 2)
+            buf = T.meta_var(j % STAGES)
             h = T.meta_var(step_h(cur))
             q0 = T.meta_var(step_q0(cur))
             nxt[0] = T.Select(cur[1] + 1 < NQB, cur[0], cur[0] + 1)
             nxt[1] = T.Select(cur[1] + 1 < NQB, cur[1] + 1, T.int64(0))
             if j + 1 < NJ:  # prefetch the next q-block into the other buffer
-                load_step(nxt, 1 - buf)
+                load_step(nxt, (j + 1) % STAGES)
             T.ptx["cp.async.commit_group"]()
             T.ptx["cp.async.wait_group"](1)
             T.cuda.cta_sync()
@@ -316,7 +324,8 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
                                     T.ptx["red.global.add.v2.f32"](
                                         DQ_ACC.ptr_to([b, h, row, col0 + dd * DQ_CHUNK + nt * 8 + lane % 4 * 2]),
                                         acc[nt * 4 + hh * 2], acc[nt * 4 + hh * 2 + 1])
-            T.cuda.cta_sync()  # buffers are refilled by the next iteration's prefetch
+            if STAGES == 2:  # the next iteration refills this buffer (with 3, the one before)
+                T.cuda.cta_sync()
             cur[0] = nxt[0]
             cur[1] = nxt[1]
         for dd in T.unroll(ND):
