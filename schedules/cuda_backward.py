@@ -167,15 +167,15 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
     ROWS = 2 * BN + 2 * STAGES * BM
     POOL = smem_scope(ROWS * (D + PAD) * 2)
     DS_W = BM + PAD         # dS^T rows in shared memory (for dQ)
-    # dQ work split: row tiles of 16 queries x column ranges, one per warp (or several tiles)
+    # dQ work split: row tiles of 16 queries x column groups; each warp takes one (row tile,
+    # column group), or several row tiles when there are more tiles than warps
     RT = BM // 16
-    CG = max(NW // RT, 1)   # warps sharing one row tile, each D / CG columns
-    if with_dq and (RT % NW if RT >= NW else NW % RT or (D // CG) % 16):
-        raise ValueError(f"bwd_block_m {BM} does not divide dQ work over {NW} warps (head_dim {D})")
+    if with_dq and (RT % NW if RT >= NW else NW % RT):
+        raise ValueError(f"bwd_block_m {BM} does not divide dQ work over {NW} warps")
+    CG = 1 if RT >= NW else max(c for c in range(1, NW // RT + 1) if NW // RT % c == 0 and D % (16 * c) == 0)
+    DQ_WARPS = NW if RT >= NW else RT * CG   # the others idle through dQ (odd head dims)
     DQ_COLS = D // CG
-    DQ_CHUNK = min(knobs["bwd_dq_chunk"], DQ_COLS)  # dQ columns per pass: independent mma chains
-    if DQ_COLS % DQ_CHUNK or DQ_CHUNK % 16:
-        raise ValueError(f"bwd_dq_chunk {DQ_CHUNK} must be a multiple of 16 dividing {DQ_COLS}")
+    DQ_CHUNK = max(c for c in range(16, min(knobs["bwd_dq_chunk"], DQ_COLS) + 1, 16) if DQ_COLS % c == 0)
 
     shape = Shape.fresh()
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
@@ -308,22 +308,23 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
                         ds_w[kr + lane // 4 + hh * 8, (nt * 8 + lane % 4 * 2) // 2] = pw[nt * 2 + hh]
                 T.cuda.cta_sync()
                 for rt_i in T.unroll(max(RT // NW, 1)):
-                    rt = T.meta_var(warp % RT + rt_i * NW if RT >= NW else warp % RT)
-                    col0 = T.meta_var(0 if RT >= NW else warp // RT * DQ_COLS)
-                    for kk in T.unroll(BN // 16):
-                        load_a_trans(dsf, kk * 4, ds_t, kk * 16, rt * 16, lane)
-                    for dd in T.unroll(DQ_COLS // DQ_CHUNK):
-                        for i in T.unroll(DQ_CHUNK // 2):
-                            acc[i] = T.float32(0)
-                        warp_gemm_rn(MMA, acc, dsf, bf, pool, K_ROW, col0 + dd * DQ_CHUNK, DQ_CHUNK // 16,
-                                     BN // 16, lane)
-                        for nt in T.unroll(DQ_CHUNK // 8):
-                            for hh in T.unroll(2):
-                                row = T.meta_var(q0 + rt * 16 + lane // 4 + hh * 8)
-                                if row < LQ:
-                                    T.ptx["red.global.add.v2.f32"](
-                                        DQ_ACC.ptr_to([b, h, row, col0 + dd * DQ_CHUNK + nt * 8 + lane % 4 * 2]),
-                                        acc[nt * 4 + hh * 2], acc[nt * 4 + hh * 2 + 1])
+                    if DQ_WARPS == NW or warp < DQ_WARPS:
+                        rt = T.meta_var(warp % RT + rt_i * NW if RT >= NW else warp % RT)
+                        col0 = T.meta_var(0 if RT >= NW else warp // RT * DQ_COLS)
+                        for kk in T.unroll(BN // 16):
+                            load_a_trans(dsf, kk * 4, ds_t, kk * 16, rt * 16, lane)
+                        for dd in T.unroll(DQ_COLS // DQ_CHUNK):
+                            for i in T.unroll(DQ_CHUNK // 2):
+                                acc[i] = T.float32(0)
+                            warp_gemm_rn(MMA, acc, dsf, bf, pool, K_ROW, col0 + dd * DQ_CHUNK, DQ_CHUNK // 16,
+                                         BN // 16, lane)
+                            for nt in T.unroll(DQ_CHUNK // 8):
+                                for hh in T.unroll(2):
+                                    row = T.meta_var(q0 + rt * 16 + lane // 4 + hh * 8)
+                                    if row < LQ:
+                                        T.ptx["red.global.add.v2.f32"](
+                                            DQ_ACC.ptr_to([b, h, row, col0 + dd * DQ_CHUNK + nt * 8 + lane % 4 * 2]),
+                                            acc[nt * 4 + hh * 2], acc[nt * 4 + hh * 2 + 1])
             if STAGES == 2:  # the next iteration refills this buffer (with 3, the one before)
                 T.cuda.cta_sync()
             cur[0] = nxt[0]

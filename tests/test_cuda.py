@@ -23,7 +23,7 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None or not _compiler_av
                                 reason="needs nvcc and the TVM compiler")
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
-BUILD_SPECS = [AttentionSpec("float16", d) for d in (32, 64, 96, 128, 192, 256)] + [
+BUILD_SPECS = [AttentionSpec("float16", d) for d in (32, 64, 80, 96, 128, 192, 256)] + [
     AttentionSpec("bfloat16", 128, causal="bottom_right"),
     AttentionSpec("float16", 64, causal="top_left", mask="bool"),
     AttentionSpec("bfloat16", 64, mask="additive"),

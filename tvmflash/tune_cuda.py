@@ -32,14 +32,17 @@ SMEM_LIMIT = 227 * 1024
 def candidates(spec: AttentionSpec, phase: str = "forward") -> list[dict]:
     row_bytes = (spec.head_dim + 8) * 2
     out = []
+    d = spec.head_dim
     if phase == "forward":
-        for bm, bn, q_regs in itertools.product((64, 128), (32, 64, 128), (1, 0)):
-            if (bm + 4 * bn) * row_bytes <= SMEM_LIMIT and not (q_regs and spec.head_dim > 128):
-                out.append({"block_m": bm, "block_n": bn, "q_in_registers": q_regs})
+        for bm, bn, q_regs, mt in itertools.product((64, 128), (32, 64, 128), (1, 0), (1, 2)):
+            # two m-tiles per warp double the accumulators: only where registers allow
+            fits_regs = mt == 1 or (bn <= 64 and (d <= 64 or (d <= 128 and bn == 32 and not q_regs)))
+            if (bm + 4 * bn) * row_bytes <= SMEM_LIMIT and not (q_regs and d > 128) and fits_regs:
+                out.append({"block_m": bm, "block_n": bn, "q_in_registers": q_regs, "warp_m_tiles": mt})
     else:
-        for bn, bm in itertools.product((64, 128), (32, 64)):
-            if (2 * bn + 4 * bm) * row_bytes + bn * (bm + 8) * 2 <= SMEM_LIMIT:
-                out.append({"bwd_block_n": bn, "bwd_block_m": bm})
+        for bn, bm, stages in itertools.product((64, 128), (32, 64), (2, 3)):
+            if (2 * bn + 2 * stages * bm) * row_bytes + bn * (bm + 8) * 2 <= SMEM_LIMIT:
+                out.append({"bwd_block_n": bn, "bwd_block_m": bm, "bwd_stages": stages})
     return out
 
 
