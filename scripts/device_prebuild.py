@@ -18,6 +18,7 @@ from tvmflash.spec import AttentionSpec  # noqa: E402
 specs = set()
 for dt, d, c in itertools.product(["float16", "bfloat16"], [32, 64, 96, 128, 192, 256], ["none", "bottom_right", "top_left"]):
     specs.add(AttentionSpec(dt, d, causal=c))
+specs.add(AttentionSpec("float16", 80, causal="bottom_right"))
 for mask, c in itertools.product(["bool", "additive"], ["none", "top_left"]):
     specs.add(AttentionSpec("float16", 64, causal=c, mask=mask))
 start = time.time()

@@ -197,3 +197,23 @@ def test_cuda_backward_through_lse():
     low = torch.autograd.grad(loss(ref, *argslo), argslo)
     for name, a, r, lo in zip(("dq", "dk", "dv"), got, want, low):
         _check_close(name, a, r, lo)
+
+
+@needs_gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_cuda_head_dim_80(deterministic):
+    """A head dim whose 16-column tiles do not split evenly over the dQ warps."""
+    g = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v = (torch.randn(2, n, 4, 80, device="cuda", dtype=torch.float16, generator=g) for n in (150, 190, 190))
+    dout = torch.randn_like(q)
+    fn = lambda q, k, v: tvmflash.flash_attn_func(q, k, v, causal=True, deterministic=deterministic)  # noqa: E731
+    ours = _grads(fn, (q, k, v), dout)
+
+    def ref(q, k, v):
+        return attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal="bottom_right")[0].transpose(1, 2)
+
+    ref64 = _grads(ref, [x.double() for x in (q, k, v)], dout.double())
+    low = _grads(ref, (q, k, v), dout)
+    _check_close("out", fn(q, k, v), ref(*[x.double() for x in (q, k, v)]), ref(q, k, v))
+    for name, a, r, lo in zip(("dq", "dk", "dv"), ours, ref64, low):
+        _check_close(name, a, r, lo)
