@@ -22,6 +22,7 @@ Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/knobs.json):
     bwd_block_m   queries per streamed q-block in the dK/dV kernel
     bwd_stages    Q/dO/stats buffers in the ring (3 saves one CTA barrier per q-block)
     bwd_dq_chunk  dQ columns a warp accumulates at once (independent mma chains vs registers)
+    bwd_d_split   CTAs per kv-block, each owning D / bwd_d_split gradient columns (large D)
     dq_block_m    queries per dQ CTA (16 per warp), deterministic path
     dq_block_n    keys per K/V tile of the dQ kernel
 """
@@ -37,7 +38,7 @@ from tvmflash.spec import AttentionSpec
 from .cuda_mma import (LOG2E, PAD, copy_rows, load_a_trans, mma_op, smem_scope, warp_gemm_nt,
                        warp_gemm_rn)
 
-DEFAULTS = {"bwd_block_n": 128, "bwd_block_m": 64, "bwd_stages": 3, "bwd_dq_chunk": 32,
+DEFAULTS = {"bwd_block_n": 128, "bwd_block_m": 64, "bwd_stages": 3, "bwd_dq_chunk": 32, "bwd_d_split": 1,
             "dq_block_m": 64, "dq_block_n": 64}
 ROWS_PER_CTA = 8  # prep / convert kernels: one warp per row
 
@@ -45,7 +46,9 @@ ROWS_PER_CTA = 8  # prep / convert kernels: one warp per row
 def default_knobs(spec: AttentionSpec) -> dict:
     knobs = dict(DEFAULTS)
     if spec.head_dim > 128:
-        knobs.update(bwd_block_n=64, bwd_block_m=32, dq_block_n=32)
+        # dK and dV of all D columns would not fit the registers: two CTAs per kv-block, each
+        # recomputing S and dP and owning half of the gradient columns
+        knobs.update(bwd_block_n=128, bwd_block_m=32, bwd_stages=2, bwd_d_split=2, dq_block_n=32)
     return knobs
 
 
@@ -158,7 +161,11 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
     NW = BN // 16
     NT = NW * 32
     NQ8 = BM // 8           # n8 tiles of a warp's S^T (16 keys x BM queries)
-    ND = D // 8             # n8 tiles of dK / dV
+    DS = knobs["bwd_d_split"]
+    if D % (16 * DS):
+        raise ValueError(f"bwd_d_split {DS} does not divide head_dim {D} into 16-column tiles")
+    DH = D // DS            # dK / dV / dQ columns of one CTA (S and dP always use all of D)
+    ND = DH // 8            # n8 tiles of dK / dV
     STAGES = knobs["bwd_stages"]
     if STAGES not in (2, 3):
         raise ValueError(f"bwd_stages must be 2 or 3, got {STAGES}")
@@ -172,9 +179,9 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
     RT = BM // 16
     if with_dq and (RT % NW if RT >= NW else NW % RT):
         raise ValueError(f"bwd_block_m {BM} does not divide dQ work over {NW} warps")
-    CG = 1 if RT >= NW else max(c for c in range(1, NW // RT + 1) if NW // RT % c == 0 and D % (16 * c) == 0)
+    CG = 1 if RT >= NW else max(c for c in range(1, NW // RT + 1) if NW // RT % c == 0 and DH % (16 * c) == 0)
     DQ_WARPS = NW if RT >= NW else RT * CG   # the others idle through dQ (odd head dims)
-    DQ_COLS = D // CG
+    DQ_COLS = DH // CG
     DQ_CHUNK = max(c for c in range(16, min(knobs["bwd_dq_chunk"], DQ_COLS) + 1, 16) if DQ_COLS % c == 0)
 
     shape = Shape.fresh()
@@ -190,14 +197,15 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
         T.func_attr({"tirx.noalias": True})
         Q, K, V, DO, LSE2, DELTA, DK, DV, DQ_ACC, scale, score = T.meta_var(declare())
         T.device_entry()
-        bx, bh = T.cta_id([T.Cast("int32", (LK + BN - 1) // BN), T.Cast("int32", B * HK)])
+        bx, bh = T.cta_id([T.Cast("int32", (LK + BN - 1) // BN * DS), T.Cast("int32", B * HK)])
         tid = T.thread_id([NT])
         b = T.meta_var(T.Cast("int64", bh) // HK)
         hk = T.meta_var(T.Cast("int64", bh) % HK)
         G = T.meta_var(H // HK)
         warp = T.meta_var(tid // 32)
         lane = T.meta_var(tid % 32)
-        k0 = T.meta_var(T.Cast("int64", bx) * BN)
+        k0 = T.meta_var(T.Cast("int64", bx // DS) * BN)
+        d0 = T.meta_var(bx % DS * DH)              # this CTA's gradient columns
         kr = T.meta_var(warp * 16)                 # this warp's key rows in the tile
         pool = T.alloc_buffer((ROWS, D + PAD), dt, scope=POOL, align=128)
         stats = T.alloc_buffer((STAGES, 2, BM), F32, scope="shared", align=16)  # [buf][lse2|delta][q]
@@ -293,14 +301,14 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
                 probabilities(h, q0, buf, False)
             else:
                 probabilities(h, q0, buf, True)
-            warp_gemm_rn(MMA, dv, pw, bf, pool, do_tile, 0, D // 16, BM // 16, lane)   # dV += P^T dO
+            warp_gemm_rn(MMA, dv, pw, bf, pool, do_tile, d0, DH // 16, BM // 16, lane)  # dV += P^T dO
             transposed_scores(dp, V_ROW, do_tile)              # dP^T = V dO^T
             for nt in T.unroll(NQ8):                           # dS^T = P^T (dP^T - delta)
                 for i in T.unroll(4):
                     idx = T.meta_var(nt * 4 + i)
                     s[idx] = s[idx] * (dp[idx] - stats[buf, 1, nt * 8 + lane % 4 * 2 + i % 2])
                     p[idx] = T.Cast(dt, s[idx])
-            warp_gemm_rn(MMA, dk, pw, bf, pool, q_tile, 0, D // 16, BM // 16, lane)    # dK += dS^T Q (x scale at the end)
+            warp_gemm_rn(MMA, dk, pw, bf, pool, q_tile, d0, DH // 16, BM // 16, lane)   # dK += dS^T Q (x scale at the end)
             if with_dq:
                 # dS^T to shared memory, then dQ (BM x D) += dS K, split over the warps
                 for nt in T.unroll(NQ8):
@@ -310,7 +318,7 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
                 for rt_i in T.unroll(max(RT // NW, 1)):
                     if DQ_WARPS == NW or warp < DQ_WARPS:
                         rt = T.meta_var(warp % RT + rt_i * NW if RT >= NW else warp % RT)
-                        col0 = T.meta_var(0 if RT >= NW else warp // RT * DQ_COLS)
+                        col0 = T.meta_var(d0 + (0 if RT >= NW else warp // RT * DQ_COLS))
                         for kk in T.unroll(BN // 16):
                             load_a_trans(dsf, kk * 4, ds_t, kk * 16, rt * 16, lane)
                         for dd in T.unroll(DQ_COLS // DQ_CHUNK):
@@ -334,8 +342,8 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
                 key = T.meta_var(k0 + kr + lane // 4 + hh * 8)
                 if key < LK:
                     for e in T.unroll(2):
-                        DK[b, hk, key, dd * 8 + lane % 4 * 2 + e] = T.Cast(dt, dk[dd * 4 + hh * 2 + e] * scale)
-                        DV[b, hk, key, dd * 8 + lane % 4 * 2 + e] = T.Cast(dt, dv[dd * 4 + hh * 2 + e])
+                        DK[b, hk, key, d0 + dd * 8 + lane % 4 * 2 + e] = T.Cast(dt, dk[dd * 4 + hh * 2 + e] * scale)
+                        DV[b, hk, key, d0 + dd * 8 + lane % 4 * 2 + e] = T.Cast(dt, dv[dd * 4 + hh * 2 + e])
 
     return dkdv.with_attr("global_symbol", "backward_dkdv_dq" if with_dq else "backward_dkdv")
 

@@ -36,8 +36,13 @@ DEFAULTS = {"block_m": 128, "block_n": 64, "q_in_registers": 1, "warp_m_tiles": 
 
 
 def default_knobs(spec: AttentionSpec) -> dict:
+    """Knobs of specs without a tuning record: the tuned winners of the nearest head dim."""
     knobs = dict(DEFAULTS)
-    if spec.head_dim > 128:
+    if spec.head_dim <= 64:
+        knobs.update(q_in_registers=0, warp_m_tiles=2)
+    elif spec.head_dim <= 128:
+        knobs.update(block_n=32, q_in_registers=0, warp_m_tiles=2)
+    else:
         knobs.update(block_m=64, block_n=32, q_in_registers=0)
     return knobs
 

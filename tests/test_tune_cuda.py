@@ -46,4 +46,5 @@ def test_record_merges_forward_and_backward_phases(tmp_path, monkeypatch):
 def test_backward_candidates_fit_shared_memory():
     for d in (64, 128, 256):
         cands = tune_cuda.candidates(AttentionSpec("float16", d), "backward")
-        assert cands and all(set(c) == {"bwd_block_n", "bwd_block_m", "bwd_stages"} for c in cands)
+        assert cands and all(set(c) == {"bwd_block_n", "bwd_block_m", "bwd_stages", "bwd_d_split"} for c in cands)
+        assert all((c["bwd_d_split"] == 2) == (d > 128) for c in cands)

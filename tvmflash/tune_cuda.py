@@ -40,9 +40,10 @@ def candidates(spec: AttentionSpec, phase: str = "forward") -> list[dict]:
             if (bm + 4 * bn) * row_bytes <= SMEM_LIMIT and not (q_regs and d > 128) and fits_regs:
                 out.append({"block_m": bm, "block_n": bn, "q_in_registers": q_regs, "warp_m_tiles": mt})
     else:
-        for bn, bm, stages in itertools.product((64, 128), (32, 64), (2, 3)):
-            if (2 * bn + 2 * stages * bm) * row_bytes + bn * (bm + 8) * 2 <= SMEM_LIMIT:
-                out.append({"bwd_block_n": bn, "bwd_block_m": bm, "bwd_stages": stages})
+        for bn, bm, stages, split in itertools.product((64, 128), (32, 64), (2, 3), (1, 2)):
+            # split: two CTAs per kv-block share the gradient columns (for large head dims)
+            if (2 * bn + 2 * stages * bm) * row_bytes + bn * (bm + 8) * 2 <= SMEM_LIMIT and (split == 1) == (d <= 128):
+                out.append({"bwd_block_n": bn, "bwd_block_m": bm, "bwd_stages": stages, "bwd_d_split": split})
     return out
 
 
