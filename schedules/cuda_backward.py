@@ -7,11 +7,13 @@ GPU is here. Four kernels:
   lse = -inf, so a query that sees no key gets P = 0); one warp per row.
 - `backward_dkdv_dq`: one CTA per (kv-block of BN keys, batch * kv-head), one warp per 16 keys.
   K and V stay in shared memory while the q-blocks of every query head of the GQA group stream
-  past (Q, dO and the row stats double-buffered through `cp.async`). Per q-block each warp
+  past (Q, dO and the row stats in a ring of buffers filled by `cp.async`). Per q-block each warp
   computes its transposed tiles in registers: S^T = K Q^T, P^T, dV += P^T dO (P^T reused as
   the A fragment), dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q; dS^T then goes
-  through shared memory so the warps share out dQ += dS K, added to an fp32 accumulator with
-  `red.global.add.v2.f32` (atomics: the order of additions varies between runs).
+  through shared memory (two buffers) so the warps share out dQ += dS K one step later, after
+  the next step's barrier, added to an fp32 accumulator with `red.global.add.v2.f32` (atomics:
+  the order of additions varies between runs). With a 3-stage Q/dO ring that leaves one CTA
+  barrier per q-block.
 - `backward_dq_convert`: dQ = scale * accumulator, cast.
 - `backward_dkdv` + `backward_dq` (deterministic=True): the same dK/dV kernel without dQ, and
   a dQ kernel with one CTA per q-block that walks its kv-blocks like the forward (recomputing
@@ -209,7 +211,8 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
         kr = T.meta_var(warp * 16)                 # this warp's key rows in the tile
         pool = T.alloc_buffer((ROWS, D + PAD), dt, scope=POOL, align=128)
         stats = T.alloc_buffer((STAGES, 2, BM), F32, scope="shared", align=16)  # [buf][lse2|delta][q]
-        ds_t = T.alloc_buffer((BN, DS_W), dt, scope="shared", align=128)
+        ds_t = T.alloc_buffer((2 * BN, DS_W), dt, scope="shared", align=128)  # dS^T, two buffers
+        prev = T.alloc_local([2], "int64")  # head and q0 of the step whose dQ is pending
         af = T.alloc_local([8], "uint32")
         bf = T.alloc_local([8], "uint32")
         s = T.alloc_local([NQ8 * 4], F32)
@@ -272,6 +275,29 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
                             s[idx] = T.exp2(s[idx] * scale_log2 - stats[buf, 0, qc])
                         p[idx] = T.Cast(dt, s[idx])
 
+        @T.inline
+        def dq_update(dbuf, h, q0):
+            # dQ (BM x D) += dS K from the dS^T tile in ds_t buffer dbuf, split over the warps,
+            # added to the fp32 accumulator by atomics
+            for rt_i in T.unroll(max(RT // NW, 1)):
+                if DQ_WARPS == NW or warp < DQ_WARPS:
+                    rt = T.meta_var(warp % RT + rt_i * NW if RT >= NW else warp % RT)
+                    col0 = T.meta_var(d0 + (0 if RT >= NW else warp // RT * DQ_COLS))
+                    for kk in T.unroll(BN // 16):
+                        load_a_trans(dsf, kk * 4, ds_t, dbuf * BN + kk * 16, rt * 16, lane)
+                    for dd in T.unroll(DQ_COLS // DQ_CHUNK):
+                        for i in T.unroll(DQ_CHUNK // 2):
+                            acc[i] = T.float32(0)
+                        warp_gemm_rn(MMA, acc, dsf, bf, pool, K_ROW, col0 + dd * DQ_CHUNK, DQ_CHUNK // 16,
+                                     BN // 16, lane)
+                        for nt in T.unroll(DQ_CHUNK // 8):
+                            for hh in T.unroll(2):
+                                row = T.meta_var(q0 + rt * 16 + lane // 4 + hh * 8)
+                                if row < LQ:
+                                    T.ptx["red.global.add.v2.f32"](
+                                        DQ_ACC.ptr_to([b, h, row, col0 + dd * DQ_CHUNK + nt * 8 + lane % 4 * 2]),
+                                        acc[nt * 4 + hh * 2], acc[nt * 4 + hh * 2 + 1])
+
         cur[0] = T.int64(0)
         cur[1] = T.int64(0)
         if NJ > 0:
@@ -294,6 +320,9 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
             T.ptx["cp.async.commit_group"]()
             T.ptx["cp.async.wait_group"](1)
             T.cuda.cta_sync()
+            if with_dq:
+                if j > 0:
+                    dq_update((j - 1) % 2, prev[0], prev[1])
             q_tile = T.meta_var(Q_ROW + buf * BM)
             do_tile = T.meta_var(DO_ROW + buf * BM)
             transposed_scores(s, K_ROW, q_tile)
@@ -310,33 +339,20 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
                     p[idx] = T.Cast(dt, s[idx])
             warp_gemm_rn(MMA, dk, pw, bf, pool, q_tile, d0, DH // 16, BM // 16, lane)   # dK += dS^T Q (x scale at the end)
             if with_dq:
-                # dS^T to shared memory, then dQ (BM x D) += dS K, split over the warps
+                # dS^T to shared memory; its dQ product runs next iteration, after the barrier
                 for nt in T.unroll(NQ8):
                     for hh in T.unroll(2):
-                        ds_w[kr + lane // 4 + hh * 8, (nt * 8 + lane % 4 * 2) // 2] = pw[nt * 2 + hh]
-                T.cuda.cta_sync()
-                for rt_i in T.unroll(max(RT // NW, 1)):
-                    if DQ_WARPS == NW or warp < DQ_WARPS:
-                        rt = T.meta_var(warp % RT + rt_i * NW if RT >= NW else warp % RT)
-                        col0 = T.meta_var(d0 + (0 if RT >= NW else warp // RT * DQ_COLS))
-                        for kk in T.unroll(BN // 16):
-                            load_a_trans(dsf, kk * 4, ds_t, kk * 16, rt * 16, lane)
-                        for dd in T.unroll(DQ_COLS // DQ_CHUNK):
-                            for i in T.unroll(DQ_CHUNK // 2):
-                                acc[i] = T.float32(0)
-                            warp_gemm_rn(MMA, acc, dsf, bf, pool, K_ROW, col0 + dd * DQ_CHUNK, DQ_CHUNK // 16,
-                                         BN // 16, lane)
-                            for nt in T.unroll(DQ_CHUNK // 8):
-                                for hh in T.unroll(2):
-                                    row = T.meta_var(q0 + rt * 16 + lane // 4 + hh * 8)
-                                    if row < LQ:
-                                        T.ptx["red.global.add.v2.f32"](
-                                            DQ_ACC.ptr_to([b, h, row, col0 + dd * DQ_CHUNK + nt * 8 + lane % 4 * 2]),
-                                            acc[nt * 4 + hh * 2], acc[nt * 4 + hh * 2 + 1])
+                        ds_w[j % 2 * BN + kr + lane // 4 + hh * 8, (nt * 8 + lane % 4 * 2) // 2] = pw[nt * 2 + hh]
+                prev[0] = h
+                prev[1] = q0
             if STAGES == 2:  # the next iteration refills this buffer (with 3, the one before)
                 T.cuda.cta_sync()
             cur[0] = nxt[0]
             cur[1] = nxt[1]
+        if with_dq:
+            if NJ > 0:
+                T.cuda.cta_sync()
+                dq_update((NJ - 1) % 2, prev[0], prev[1])
         for dd in T.unroll(ND):
             for hh in T.unroll(2):
                 key = T.meta_var(k0 + kr + lane // 4 + hh * 8)

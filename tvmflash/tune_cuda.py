@@ -42,7 +42,8 @@ def candidates(spec: AttentionSpec, phase: str = "forward") -> list[dict]:
     else:
         for bn, bm, stages, split in itertools.product((64, 128), (32, 64), (2, 3), (1, 2)):
             # split: two CTAs per kv-block share the gradient columns (for large head dims)
-            if (2 * bn + 2 * stages * bm) * row_bytes + bn * (bm + 8) * 2 <= SMEM_LIMIT and (split == 1) == (d <= 128):
+            smem = (2 * bn + 2 * stages * bm) * row_bytes + 2 * bn * (bm + 8) * 2 + stages * bm * 8
+            if smem <= SMEM_LIMIT and (split == 1) == (d <= 128):
                 out.append({"bwd_block_n": bn, "bwd_block_m": bm, "bwd_stages": stages, "bwd_d_split": split})
     return out
 
