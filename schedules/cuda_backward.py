@@ -152,8 +152,9 @@ def dq_convert_kernel(spec: AttentionSpec) -> tirx.PrimFunc:
     return convert.with_attr("global_symbol", "backward_dq_convert")
 
 
-def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFunc:
-    """dK, dV (and, `with_dq`, the fp32 dQ accumulator by atomics); see the module docstring."""
+def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics: bool = True) -> tirx.PrimFunc:
+    """dK, dV (and, `with_dq`, the fp32 dQ accumulator by atomics); see the module docstring.
+    `vector_atomics`: two-float `red` (sm_90+), else two scalar ones."""
     _check(spec)
     D, dt = spec.head_dim, spec.dtype
     BN, BM = knobs["bwd_block_n"], knobs["bwd_block_m"]
@@ -293,10 +294,15 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFun
                         for nt in T.unroll(DQ_CHUNK // 8):
                             for hh in T.unroll(2):
                                 row = T.meta_var(q0 + rt * 16 + lane // 4 + hh * 8)
+                                col = T.meta_var(col0 + dd * DQ_CHUNK + nt * 8 + lane % 4 * 2)
                                 if row < LQ:
-                                    T.ptx["red.global.add.v2.f32"](
-                                        DQ_ACC.ptr_to([b, h, row, col0 + dd * DQ_CHUNK + nt * 8 + lane % 4 * 2]),
-                                        acc[nt * 4 + hh * 2], acc[nt * 4 + hh * 2 + 1])
+                                    if vector_atomics:
+                                        T.ptx["red.global.add.v2.f32"](DQ_ACC.ptr_to([b, h, row, col]),
+                                                                       acc[nt * 4 + hh * 2], acc[nt * 4 + hh * 2 + 1])
+                                    else:
+                                        for e in T.unroll(2):
+                                            T.ptx["red.global.add.f32"](DQ_ACC.ptr_to([b, h, row, col + e]),
+                                                                        acc[nt * 4 + hh * 2 + e])
 
         cur[0] = T.int64(0)
         cur[1] = T.int64(0)
@@ -478,11 +484,11 @@ def dq_kernel(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     return dq_fn.with_attr("global_symbol", "backward_dq")
 
 
-def backward_kernels_cuda(spec: AttentionSpec, knobs: dict) -> dict:
-    """Every backward kernel of `spec`, by its module function name."""
+def backward_kernels_cuda(spec: AttentionSpec, knobs: dict, arch: str = "sm_90a") -> dict:
+    """Every backward kernel of `spec`, by its module function name, for CUDA arch `arch`."""
     return {
         "backward_prep": backward_prep_kernel(spec),
-        "backward_dkdv_dq": dkdv_kernel(spec, knobs, with_dq=True),
+        "backward_dkdv_dq": dkdv_kernel(spec, knobs, with_dq=True, vector_atomics=int(arch[3:5]) >= 90),
         "backward_dq_convert": dq_convert_kernel(spec),
         "backward_dkdv": dkdv_kernel(spec, knobs, with_dq=False),
         "backward_dq": dq_kernel(spec, knobs),

@@ -158,7 +158,7 @@ def _build_cuda(spec: AttentionSpec, target: dict, knobs: dict | None = None):
     _prepare_cuda_codegen()
     knobs = {**cuda_default_knobs(spec), **tuned_knobs("cuda", spec), **(knobs or {})}
     mod = tvm.IRModule({"forward": cuda_forward.forward_kernel_cuda(spec, knobs),
-                        **cuda_backward.backward_kernels_cuda(spec, knobs)})
+                        **cuda_backward.backward_kernels_cuda(spec, knobs, target["arch"])})
     tvm_target = tvm.target.Target(target)
     with tvm_target:  # the nvcc callback reads the arch from the current target
         return tvm.compile(mod, target=tvm_target, tir_pipeline="tirx")
