@@ -7,6 +7,7 @@ as views, so q/k/v are never copied. Tensors go to the TVM functions directly (D
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
@@ -29,23 +30,40 @@ def spec_for(q: torch.Tensor, mask: Optional[torch.Tensor], causal: str) -> Atte
                          mask=kind, mask_dtype=mask_dtype)
 
 
+_loaded: dict = {}  # (spec, device) -> kernels: the per-call fast path
+
+
 def _kernels(spec: AttentionSpec, device: torch.device) -> dict:
-    from . import build
+    kernels = _loaded.get((spec, device))
+    if kernels is None:
+        from . import build
 
-    if device.type == "cuda":
-        return build.load_cached(spec, build.cuda_target_for_device(device.index or 0))
-    return build.load_cached(spec)
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            kernels = build.load_cached(spec, build.cuda_target_for_device(index))
+        else:
+            kernels = build.load_cached(spec)
+        _loaded[(spec, device)] = kernels
+    return kernels
 
 
-def _launch(device: torch.device, kernel, *args) -> None:
-    """Run a TVM kernel on torch tensors; CUDA kernels go on torch's current stream."""
-    if device.type == "cuda":
-        import tvm_ffi
+@contextlib.contextmanager
+def _on_stream(device: torch.device):
+    """Scope for TVM kernel launches: on CUDA they go to torch's current stream of `device`
+    (one scope per op: entering it costs tens of microseconds)."""
+    if device.type != "cuda":
+        yield
+        return
+    import tvm_ffi
 
-        with torch.cuda.device(device), tvm_ffi.use_torch_stream():
-            kernel(*args)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", index), torch.cuda.current_stream(index).cuda_stream)
+    if index == torch.cuda.current_device():
+        with stream:
+            yield
     else:
-        kernel(*args)
+        with torch.cuda.device(index), stream:
+            yield
 
 
 def _mask_args(mask: Optional[torch.Tensor], shape) -> tuple:
@@ -73,7 +91,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: O
         lse.fill_(float("-inf"))
         return out, lse
     kern = _kernels(spec_for(q, mask, causal), q.device)
-    _launch(q.device, kern["forward"], q, k, v, out, lse, scale, *_mask_args(mask, (B, H, Lq, Lk)))
+    with _on_stream(q.device):
+        kern["forward"](q, k, v, out, lse, scale, *_mask_args(mask, (B, H, Lq, Lk)))
     return out, lse
 
 
@@ -129,18 +148,18 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 def _backward_cuda(kern, dout, q, k, v, out, lse, dlse, masks, scale, deterministic, dq, dk, dv):
     """delta and lse * log2(e) per query; then dK/dV with dQ accumulated by fp32 atomics and
     converted, or (deterministic) dK/dV and a separate dQ kernel without atomics."""
-    dev = q.device
     delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
-    _launch(dev, kern["backward_prep"], out, dout, lse, delta, lse2)
-    if dlse is not None:
-        delta.sub_(dlse)
-    if deterministic:
-        _launch(dev, kern["backward_dkdv"], q, k, v, dout, lse2, delta, dk, dv, scale, *masks)
-        _launch(dev, kern["backward_dq"], q, k, v, dout, lse2, delta, dq, scale, *masks)
-    else:
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=dev)
-        _launch(dev, kern["backward_dkdv_dq"], q, k, v, dout, lse2, delta, dk, dv, dq_acc, scale, *masks)
-        _launch(dev, kern["backward_dq_convert"], dq_acc, dq, scale)
+    dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    with _on_stream(q.device):
+        kern["backward_prep"](out, dout, lse, delta, lse2)
+        if dlse is not None:
+            delta.sub_(dlse)
+        if deterministic:
+            kern["backward_dkdv"](q, k, v, dout, lse2, delta, dk, dv, scale, *masks)
+            kern["backward_dq"](q, k, v, dout, lse2, delta, dq, scale, *masks)
+        else:
+            kern["backward_dkdv_dq"](q, k, v, dout, lse2, delta, dk, dv, dq_acc, scale, *masks)
+            kern["backward_dq_convert"](dq_acc, dq, scale)
 
 
 @attention_backward.register_fake
