@@ -8,8 +8,8 @@ shared target-independent functions of `tvmflash/kernels/score_mods.py`.
 
 Mapping: one CTA per (q-block of BM rows, batch * head); one warp per 16 * warp_m_tiles query
 rows (with two m-tiles a warp reuses every K/V fragment it loads for two mma's).
-K/V tiles of BN rows are double-buffered in shared memory through `cp.async` (rows padded by
-8 elements so `ldmatrix` is conflict-free); S = Q K^T and O += P V run on
+K/V tiles of BN rows go through a ring of 2 or 3 shared-memory buffers filled by `cp.async`
+(rows padded by 8 elements so `ldmatrix` is conflict-free; 3 buffers drop a CTA barrier); S = Q K^T and O += P V run on
 `mma.sync.m16n8k16` with fp32 accumulators; the online softmax runs in registers in the exp2
 domain; P is reused as the A fragment of the PV product straight from registers.
 
@@ -19,6 +19,7 @@ Knobs (`DEFAULTS`, tuned values in tuning_logs/cuda/knobs.json):
     q_in_registers keep Q's mma fragments in registers for the whole CTA (large head dims
                    reload them from shared memory instead, to stay clear of spills)
     warp_m_tiles   16-row m-tiles per warp (1 or 2)
+    stages         K/V buffers (2 or 3)
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from tvmflash.spec import AttentionSpec
 
 from .cuda_mma import LN2, LOG2E, PAD, copy_rows, load_a, load_b, load_b_trans, mma_16x16, mma_op, smem_scope
 
-DEFAULTS = {"block_m": 128, "block_n": 64, "q_in_registers": 1, "warp_m_tiles": 1}
+DEFAULTS = {"block_m": 128, "block_n": 64, "q_in_registers": 1, "warp_m_tiles": 1, "stages": 2}
 
 
 def default_knobs(spec: AttentionSpec) -> dict:
@@ -41,7 +42,7 @@ def default_knobs(spec: AttentionSpec) -> dict:
     if spec.head_dim <= 64:
         knobs.update(q_in_registers=0, warp_m_tiles=2)
     elif spec.head_dim <= 128:
-        knobs.update(block_n=32, q_in_registers=0, warp_m_tiles=2)
+        knobs.update(block_n=32, q_in_registers=0, warp_m_tiles=2, stages=3)
     else:
         knobs.update(block_m=64, block_n=32, q_in_registers=0)
     return knobs
@@ -62,7 +63,11 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     NT = NW * 32
     NS = BN // 8           # n8 tiles of S per m-tile
     ND = D // 8            # n8 tiles of O per m-tile
-    ROWS = BM + 4 * BN     # shared pool rows: Q | K0 K1 | V0 V1
+    ST = knobs["stages"]   # K/V buffers in the ring; with 3 the end-of-tile barrier goes
+    if ST not in (2, 3):
+        raise ValueError(f"stages must be 2 or 3, got {ST}")
+    K_ROW, V_ROW = BM, BM + ST * BN
+    ROWS = BM + 2 * ST * BN  # shared pool rows: Q | K ring | V ring
     SCOPE = smem_scope(ROWS * (D + PAD) * 2)
 
     shape = Shape.fresh()
@@ -130,8 +135,8 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                             o[(mt * ND + dd) * 4 + hh * 2 + e] = o[(mt * ND + dd) * 4 + hh * 2 + e] * alpha[0]
 
         copy_rows(pool, 0, Q, b, h, q0, BM, LQ, D, tid, NT)
-        copy_rows(pool, BM, K, b, hk, kb_lo * BN, BN, LK, D, tid, NT)
-        copy_rows(pool, BM + 2 * BN, V, b, hk, kb_lo * BN, BN, LK, D, tid, NT)
+        copy_rows(pool, K_ROW, K, b, hk, kb_lo * BN, BN, LK, D, tid, NT)
+        copy_rows(pool, V_ROW, V, b, hk, kb_lo * BN, BN, LK, D, tid, NT)
         T.ptx["cp.async.commit_group"]()
         for i in T.unroll(MT * ND * 4):
             o[i] = T.float32(0)
@@ -140,11 +145,11 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             l[i] = T.float32(0)
 
         for j in T.serial(kb_hi - kb_lo):
-            buf = T.meta_var(j % 2)
+            buf = T.meta_var(j % ST)
             k0 = T.meta_var((kb_lo + j) * BN)
-            if kb_lo + j + 1 < kb_hi:  # prefetch the next K/V tile into the other buffer
-                copy_rows(pool, BM + (1 - buf) * BN, K, b, hk, k0 + BN, BN, LK, D, tid, NT)
-                copy_rows(pool, BM + 2 * BN + (1 - buf) * BN, V, b, hk, k0 + BN, BN, LK, D, tid, NT)
+            if kb_lo + j + 1 < kb_hi:  # prefetch the next K/V tile into the next buffer
+                copy_rows(pool, K_ROW + (j + 1) % ST * BN, K, b, hk, k0 + BN, BN, LK, D, tid, NT)
+                copy_rows(pool, V_ROW + (j + 1) % ST * BN, V, b, hk, k0 + BN, BN, LK, D, tid, NT)
             T.ptx["cp.async.commit_group"]()
             T.ptx["cp.async.wait_group"](1)
             T.cuda.cta_sync()
@@ -161,7 +166,7 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                     for mt in T.unroll(MT):
                         load_a(qf, q_frag(mt, kk), pool, row0 + mt * 16, kk * 16, lane)
                 for nn in T.unroll(BN // 16):
-                    load_b(kb, 0, pool, BM + buf * BN + nn * 16, kk * 16, lane)
+                    load_b(kb, 0, pool, K_ROW + buf * BN + nn * 16, kk * 16, lane)
                     for mt in T.unroll(MT):
                         mma_16x16(MMA, s, (mt * NS + nn * 2) * 4, qf, q_frag(mt, kk), kb, 0)
             # online softmax; masks and bounds only on tiles that need them
@@ -173,10 +178,11 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             # of one k16 step; V arrives transposed through ldmatrix.trans
             for kk in T.unroll(BN // 16):
                 for dd in T.unroll(D // 16):
-                    load_b_trans(vb, 0, pool, BM + 2 * BN + buf * BN + kk * 16, dd * 16, lane)
+                    load_b_trans(vb, 0, pool, V_ROW + buf * BN + kk * 16, dd * 16, lane)
                     for mt in T.unroll(MT):
                         mma_16x16(MMA, o, (mt * ND + dd * 2) * 4, pw, mt * NS * 2 + kk * 4, vb, 0)
-            T.cuda.cta_sync()  # this buffer is refilled by the next iteration's prefetch
+            if ST == 2:  # the next iteration refills this buffer (with 3, the one before)
+                T.cuda.cta_sync()
         for mt in T.unroll(MT):
             for hh in T.unroll(2):
                 l[mt * 2 + hh] = T.cuda.warp_sum(l[mt * 2 + hh], width=4)

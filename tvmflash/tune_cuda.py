@@ -34,11 +34,12 @@ def candidates(spec: AttentionSpec, phase: str = "forward") -> list[dict]:
     out = []
     d = spec.head_dim
     if phase == "forward":
-        for bm, bn, q_regs, mt in itertools.product((64, 128), (32, 64, 128), (1, 0), (1, 2)):
+        for bm, bn, q_regs, mt, st in itertools.product((64, 128), (32, 64, 128), (1, 0), (1, 2), (2, 3)):
             # two m-tiles per warp double the accumulators: only where registers allow
             fits_regs = mt == 1 or (bn <= 64 and (d <= 64 or (d <= 128 and bn == 32 and not q_regs)))
-            if (bm + 4 * bn) * row_bytes <= SMEM_LIMIT and not (q_regs and d > 128) and fits_regs:
-                out.append({"block_m": bm, "block_n": bn, "q_in_registers": q_regs, "warp_m_tiles": mt})
+            if (bm + 2 * st * bn) * row_bytes <= SMEM_LIMIT and not (q_regs and d > 128) and fits_regs:
+                out.append({"block_m": bm, "block_n": bn, "q_in_registers": q_regs, "warp_m_tiles": mt,
+                            "stages": st})
     else:
         for bn, bm, stages, split in itertools.product((64, 128), (32, 64), (2, 3), (1, 2)):
             # split: two CTAs per kv-block share the gradient columns (for large head dims)
