@@ -33,11 +33,11 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.kernels.common import F32, NEG_INF, KernelArgs, Shape
+from tvmflash.kernels.common import F32, LOG2E, NEG_INF, KernelArgs, Shape
 from tvmflash.kernels.score_mods import ScoreIndex, ScorePipeline
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (LOG2E, PAD, copy_rows, load_a_trans, mma_op, smem_scope, warp_gemm_nt,
+from .cuda_mma import (PAD, copy_rows, load_a_trans, mma_op, smem_scope, warp_gemm_nt,
                        warp_gemm_rn)
 
 DEFAULTS = {"bwd_block_n": 128, "bwd_block_m": 64, "bwd_stages": 3, "bwd_dq_chunk": 32, "bwd_d_split": 1,

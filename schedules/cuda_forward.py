@@ -26,12 +26,12 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.kernels.common import F32, NEG_INF, Shape
+from tvmflash.kernels.common import F32, LOG2E, NEG_INF, Shape
 from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.kernels.score_mods import ScoreIndex
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import LN2, LOG2E, PAD, copy_rows, load_a, load_b, load_b_trans, mma_16x16, mma_op, smem_scope
+from .cuda_mma import LN2, PAD, copy_rows, load_a, load_b, load_b_trans, mma_16x16, mma_op, smem_scope
 
 DEFAULTS = {"block_m": 128, "block_n": 64, "q_in_registers": 1, "warp_m_tiles": 1, "stages": 2}
 

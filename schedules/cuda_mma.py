@@ -14,7 +14,6 @@ import math
 
 from tvm.script import tirx as T
 
-LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 PAD = 8  # elements of padding per shared-memory row
 LDM = "ldmatrix.sync.aligned.m8n8.x4.shared.b16"

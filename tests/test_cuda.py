@@ -60,6 +60,13 @@ def _check_close(name, got, ref64, low, atol=1e-3):
     assert err <= budget, f"{name} error {err:.3g} > {budget:.3g}"
 
 
+def _reference_bshd(causal):
+    """The float reference on flash-attn's (B, L, H, D) layout."""
+    def ref(q, k, v):
+        return attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)[0].transpose(1, 2)
+    return ref
+
+
 def _grads(fn, inputs, dout):
     inputs = [x.detach().requires_grad_() for x in inputs]
     out = fn(*inputs)
@@ -125,10 +132,7 @@ def test_cuda_backward_matches_reference(dtype, d, causal, deterministic, lq, lk
     mode = "bottom_right" if causal else "none"
     ours = _grads(lambda q, k, v: tvmflash.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic),
                   (q, k, v), dout)
-
-    def ref(q, k, v):
-        return attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=mode)[0].transpose(1, 2)
-
+    ref = _reference_bshd(mode)
     ref64 = _grads(ref, [x.double() for x in (q, k, v)], dout.double())
     low = _grads(ref, (q, k, v), dout)
     for name, a, r, lo in zip(("dq", "dk", "dv"), ours, ref64, low):
@@ -208,10 +212,7 @@ def test_cuda_head_dim_80(deterministic):
     dout = torch.randn_like(q)
     fn = lambda q, k, v: tvmflash.flash_attn_func(q, k, v, causal=True, deterministic=deterministic)  # noqa: E731
     ours = _grads(fn, (q, k, v), dout)
-
-    def ref(q, k, v):
-        return attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal="bottom_right")[0].transpose(1, 2)
-
+    ref = _reference_bshd("bottom_right")
     ref64 = _grads(ref, [x.double() for x in (q, k, v)], dout.double())
     low = _grads(ref, (q, k, v), dout)
     _check_close("out", fn(q, k, v), ref(*[x.double() for x in (q, k, v)]), ref(q, k, v))
