@@ -33,6 +33,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from tvmflash.kernels.backward import declare_backward_inputs
 from tvmflash.kernels.common import F32, LOG2E, NEG_INF, KernelArgs, Shape
 from tvmflash.kernels.score_mods import ScoreIndex, ScorePipeline
 from tvmflash.spec import AttentionSpec
@@ -57,16 +58,9 @@ def default_knobs(spec: AttentionSpec) -> dict:
 def _declare(spec: AttentionSpec, shape: Shape, outputs):
     """Declares q, k, v, do, lse2, delta, then `outputs` ((name, heads, length, dtype) of
     (B, heads, length, D) tensors), scale and the score modifiers' arguments, in call order."""
-    B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
-    D, dt = spec.head_dim, spec.dtype
     args = KernelArgs()
-    q = args.tensor("q", (B, H, LQ, D), dt)
-    k = args.tensor("k", (B, HK, LK, D), dt)
-    v = args.tensor("v", (B, HK, LK, D), dt)
-    do = args.tensor("do", (B, H, LQ, D), dt)
-    lse2 = args.tensor("lse2", (B, H, LQ), F32)
-    delta = args.tensor("delta", (B, H, LQ), F32)
-    outs = [args.tensor(name, (B, heads, length, D), odt) for name, heads, length, odt in outputs]
+    q, k, v, do, lse2, delta = declare_backward_inputs(spec, shape, args, lse_name="lse2")
+    outs = [args.tensor(name, (shape.batch, heads, length, spec.head_dim), odt) for name, heads, length, odt in outputs]
     scale = args.scalar("scale")
     return (q, k, v, do, lse2, delta, outs, scale, ScorePipeline(spec.modifiers(), args, shape))
 

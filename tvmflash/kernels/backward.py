@@ -25,14 +25,16 @@ from .common import F32, POS_INF, NEG_INF, KernelArgs, Shape, fast_exp
 from .score_mods import ScoreIndex, ScorePipeline
 
 
-def _declare_common(spec: AttentionSpec, shape: Shape, args: KernelArgs):
+def declare_backward_inputs(spec: AttentionSpec, shape: Shape, args: KernelArgs, lse_name: str = "lse"):
+    """q, k, v, do, the row log-sum-exp (`lse_name`: the CUDA kernels take it in log2 units)
+    and delta, in call order: the inputs every backward kernel of every target shares."""
     D, dt = spec.head_dim, spec.dtype
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
     q = args.tensor("q", (B, H, LQ, D), dt)
     k = args.tensor("k", (B, HK, LK, D), dt)
     v = args.tensor("v", (B, HK, LK, D), dt)
     do = args.tensor("do", (B, H, LQ, D), dt)
-    lse = args.tensor("lse", (B, H, LQ), F32)
+    lse = args.tensor(lse_name, (B, H, LQ), F32)
     delta = args.tensor("delta", (B, H, LQ), F32)
     return q, k, v, do, lse, delta
 
@@ -83,7 +85,7 @@ def backward_dkdv_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 
     args = KernelArgs()
 
     def declare():
-        q, k, v, do, lse, delta = _declare_common(spec, shape, args)
+        q, k, v, do, lse, delta = declare_backward_inputs(spec, shape, args)
         dk = args.tensor("dk", (B, HK, LK, D), dt)
         dv = args.tensor("dv", (B, HK, LK, D), dt)
         # fused: dQ and its fp32 accumulator (scratch: the kernel zeroes it)
@@ -249,7 +251,7 @@ def backward_dq_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 64
     args = KernelArgs()
 
     def declare():
-        q, k, v, do, lse, delta = _declare_common(spec, shape, args)
+        q, k, v, do, lse, delta = declare_backward_inputs(spec, shape, args)
         dq = args.tensor("dq", (B, H, LQ, D), dt)
         scale = args.scalar("scale")
         return q, k, v, do, lse, delta, dq, scale, ScorePipeline(spec.modifiers(), args, shape)
