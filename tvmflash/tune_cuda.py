@@ -70,11 +70,9 @@ def build(out_dir: Path, phase: str = "forward") -> None:
 
 def time_candidates(out_dir: Path, seqlen: int = 4096) -> None:
     import torch
-    import tvm_ffi
 
     from .build import _load, cuda_target
-
-    from .ops import _backward_cuda
+    from .ops import _backward_cuda, _on_stream
 
     results = []
     for entry in json.loads((out_dir / "index.json").read_text()):
@@ -93,7 +91,7 @@ def time_candidates(out_dir: Path, seqlen: int = 4096) -> None:
             else:
                 kern["forward"](q, k, v, o, lse, d ** -0.5)
 
-        with tvm_ffi.use_torch_stream():
+        with _on_stream(q.device):
             kern["forward"](q, k, v, o, lse, d ** -0.5)
             for _ in range(3):
                 call()
