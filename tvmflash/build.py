@@ -94,9 +94,13 @@ def target_label(target: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- building
-def _sources_digest() -> str:
+def _sources_digest(target: dict) -> str:
+    """Hash of the kernel sources and of the schedules of `target`'s kind (CUDA modules do not
+    depend on the CPU schedules, nor CPU modules on `schedules/cuda_*`)."""
+    cuda = target["kind"] == "cuda"
+    schedules = [p for p in sorted(SCHEDULES_DIR.glob("*.py")) if p.name.startswith("cuda_") == cuda]
     h = hashlib.sha256()
-    for path in sorted((PACKAGE_DIR / "kernels").glob("*.py")) + sorted(SCHEDULES_DIR.glob("*.py")):
+    for path in sorted((PACKAGE_DIR / "kernels").glob("*.py")) + schedules:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()
@@ -110,7 +114,7 @@ def module_key(spec: AttentionSpec, target: dict) -> str:
     import tvm  # the runtime-only import is enough here
 
     blob = json.dumps({"tvm": tvm.__version__, "target": target, "spec": repr(spec),
-                       "sources": _sources_digest(), "knobs": tuned_knobs(_tuning_kind(target), spec)},
+                       "sources": _sources_digest(target), "knobs": tuned_knobs(_tuning_kind(target), spec)},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
