@@ -26,12 +26,12 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.kernels.common import F32, LOG2E, NEG_INF, Shape
+from tvmflash.kernels.common import F32, Shape
 from tvmflash.kernels.forward import declare_forward_args
-from tvmflash.kernels.score_mods import ScoreIndex
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import LN2, PAD, copy_rows, load_a, load_b, load_b_trans, mma_16x16, mma_op, smem_scope
+from .cuda_mma import (PAD, copy_rows, load_a, load_b, load_b_trans, mma_16x16, mma_op, rescale_rows, smem_scope,
+                       softmax_tile, store_output, to_a_fragments)
 
 DEFAULTS = {"block_m": 128, "block_n": 64, "q_in_registers": 1, "warp_m_tiles": 1, "stages": 2}
 
@@ -97,42 +97,10 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         m = T.alloc_local([MT * 2], F32)  # running max (log2 units) of rows g and g + 8 per m-tile
         l = T.alloc_local([MT * 2], F32)  # running partial sum of this lane's columns
         mx = T.alloc_local([1], F32)
-        alpha = T.alloc_local([1], F32)
+        alpha = T.alloc_local([MT * 2], F32)
         pw = p.view("uint32")
-        scale_log2 = T.meta_var(scale * T.float32(LOG2E))
         kb_lo, kb_hi = T.meta_var(score.kv_blocks(q0, T.min(q0 + BM, LQ), BN))
         q_frag = T.meta_var(lambda mt, kk: (mt * (D // 16) + kk) * 4 if q_regs else mt * 4)
-
-        @T.inline
-        def softmax_step(k0, masked):
-            # lane holds rows g = lane/4 and g + 8 of each m-tile and columns 2*(lane%4) (+1)
-            # of each n8 tile; the 4 lanes of a quad share a row. Scores go to the exp2 domain.
-            for mt in T.unroll(MT):
-                for hh in T.unroll(2):
-                    mx[0] = m[mt * 2 + hh]
-                    for nt in T.unroll(NS):
-                        for e in T.unroll(2):
-                            idx = T.meta_var((mt * NS + nt) * 4 + hh * 2 + e)
-                            ix = T.meta_var(ScoreIndex(b, h, q0 + row0 + mt * 16 + lane // 4 + hh * 8,
-                                                       k0 + nt * 8 + lane % 4 * 2 + e))
-                            if masked or score.changes_values:
-                                s[idx] = score(s[idx] * scale, ix, masked) * T.float32(LOG2E)
-                            else:
-                                s[idx] = s[idx] * scale_log2
-                            mx[0] = T.max(mx[0], s[idx])
-                    mx[0] = T.cuda.warp_max(mx[0], width=4)
-                    alpha[0] = T.exp2(m[mt * 2 + hh] - mx[0])
-                    m[mt * 2 + hh] = mx[0]
-                    l[mt * 2 + hh] = l[mt * 2 + hh] * alpha[0]
-                    for nt in T.unroll(NS):
-                        for e in T.unroll(2):
-                            idx = T.meta_var((mt * NS + nt) * 4 + hh * 2 + e)
-                            s[idx] = T.exp2(s[idx] - mx[0])
-                            l[mt * 2 + hh] = l[mt * 2 + hh] + s[idx]
-                            p[idx] = T.Cast(dt, s[idx])
-                    for dd in T.unroll(ND):
-                        for e in T.unroll(2):
-                            o[(mt * ND + dd) * 4 + hh * 2 + e] = o[(mt * ND + dd) * 4 + hh * 2 + e] * alpha[0]
 
         copy_rows(pool, 0, Q, b, h, q0, BM, LQ, D, tid, NT)
         copy_rows(pool, K_ROW, K, b, hk, kb_lo * BN, BN, LK, D, tid, NT)
@@ -171,9 +139,11 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                         mma_16x16(MMA, s, (mt * NS + nn * 2) * 4, qf, q_frag(mt, kk), kb, 0)
             # online softmax; masks and bounds only on tiles that need them
             if score.tile_unmasked(q0, T.min(q0 + BM, LQ), k0, k0 + BN):
-                softmax_step(k0, False)
+                softmax_tile(s, m, l, mx, alpha, MT, NS, score, scale, b, h, q0 + row0, k0, lane, False)
             else:
-                softmax_step(k0, True)
+                softmax_tile(s, m, l, mx, alpha, MT, NS, score, scale, b, h, q0 + row0, k0, lane, True)
+            to_a_fragments(s, p, MT * NS * 4)
+            rescale_rows(o, alpha, MT, ND)
             # O += P V: the f32 S fragments of two n8 tiles, as f16/bf16, are the A fragment
             # of one k16 step; V arrives transposed through ldmatrix.trans
             for kk in T.unroll(BN // 16):
@@ -183,18 +153,6 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                         mma_16x16(MMA, o, (mt * ND + dd * 2) * 4, pw, mt * NS * 2 + kk * 4, vb, 0)
             if ST == 2:  # the next iteration refills this buffer (with 3, the one before)
                 T.cuda.cta_sync()
-        for mt in T.unroll(MT):
-            for hh in T.unroll(2):
-                l[mt * 2 + hh] = T.cuda.warp_sum(l[mt * 2 + hh], width=4)
-                row = T.meta_var(q0 + row0 + mt * 16 + lane // 4 + hh * 8)
-                if row < LQ:
-                    for dd in T.unroll(ND):
-                        for e in T.unroll(2):
-                            O[b, h, row, dd * 8 + lane % 4 * 2 + e] = T.Cast(dt, T.Select(
-                                l[mt * 2 + hh] > T.float32(0), o[(mt * ND + dd) * 4 + hh * 2 + e] / l[mt * 2 + hh],
-                                T.float32(0)))
-                    if lane % 4 == 0:
-                        LSE[b, h, row] = T.Select(l[mt * 2 + hh] > T.float32(0),
-                                                  m[mt * 2 + hh] * T.float32(LN2) + T.log(l[mt * 2 + hh]), NEG_INF)
+        store_output(O, LSE, o, m, l, MT, ND, b, h, q0 + row0, LQ, lane)
 
     return fwd.with_attr("global_symbol", "forward")

@@ -14,6 +14,9 @@ import math
 
 from tvm.script import tirx as T
 
+from tvmflash.kernels.common import LOG2E, NEG_INF
+from tvmflash.kernels.score_mods import ScoreIndex
+
 LN2 = math.log(2.0)
 PAD = 8  # elements of padding per shared-memory row
 LDM = "ldmatrix.sync.aligned.m8n8.x4.shared.b16"
@@ -110,3 +113,69 @@ def warp_gemm_rn(op, acc, a, bf, pool, b_row, b_col, n16, k16, lane):
         if i + 1 < n16 * k16:
             load_b_trans(bf, (i + 1) % 2 * 4, pool, b_row + (i + 1) // n16 * 16, b_col + (i + 1) % n16 * 16, lane)
         mma_16x16(op, acc, i % n16 * 8, a, i // n16 * 4, bf, i % 2 * 4)
+
+
+@T.inline
+def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, b, h, q_row0, k0, lane, masked):
+    """One K/V tile of the forward's online softmax on accumulator fragments: n_mt m-tiles of
+    16 rows starting at query row q_row0, ns n8 tiles of scores S (k0: the tile's first key).
+    Scores go to the exp2 domain; m is the running max and l this lane's partial row sum (two
+    rows per m-tile: g and g + 8, shared by the 4 lanes of a quad). Leaves P = exp2(S - m) in s
+    and the factor the output rows must be rescaled by in alpha."""
+    for mt in T.unroll(n_mt):
+        for hh in T.unroll(2):
+            mx[0] = m[mt * 2 + hh]
+            for nt in T.unroll(ns):
+                for e in T.unroll(2):
+                    idx = T.meta_var((mt * ns + nt) * 4 + hh * 2 + e)
+                    ix = T.meta_var(ScoreIndex(b, h, q_row0 + mt * 16 + lane // 4 + hh * 8,
+                                               k0 + nt * 8 + lane % 4 * 2 + e))
+                    if masked or score.changes_values:
+                        s[idx] = score(s[idx] * scale, ix, masked) * T.float32(LOG2E)
+                    else:
+                        s[idx] = s[idx] * (scale * T.float32(LOG2E))
+                    mx[0] = T.max(mx[0], s[idx])
+            mx[0] = T.cuda.warp_max(mx[0], width=4)
+            alpha[mt * 2 + hh] = T.exp2(m[mt * 2 + hh] - mx[0])
+            m[mt * 2 + hh] = mx[0]
+            l[mt * 2 + hh] = l[mt * 2 + hh] * alpha[mt * 2 + hh]
+            for nt in T.unroll(ns):
+                for e in T.unroll(2):
+                    idx = T.meta_var((mt * ns + nt) * 4 + hh * 2 + e)
+                    s[idx] = T.exp2(s[idx] - mx[0])
+                    l[mt * 2 + hh] = l[mt * 2 + hh] + s[idx]
+
+
+@T.inline
+def to_a_fragments(s, p, n):
+    """P (f32 accumulator fragments s) as p's 16-bit type: two n8 tiles are one A fragment."""
+    for i in T.unroll(n):
+        p[i] = T.Cast(p.dtype, s[i])
+
+
+@T.inline
+def rescale_rows(o, alpha, n_mt, nd):
+    """Output accumulator rows times the factors `softmax_tile` left in alpha."""
+    for mt in T.unroll(n_mt):
+        for dd in T.unroll(nd):
+            for i in T.unroll(4):
+                o[(mt * nd + dd) * 4 + i] = o[(mt * nd + dd) * 4 + i] * alpha[mt * 2 + i // 2]
+
+
+@T.inline
+def store_output(O, LSE, o, m, l, n_mt, nd, b, h, q_row0, seqlen_q, lane):
+    """O = o / l and LSE = m ln2 + ln l of the rows of `online_softmax`; rows that saw no key
+    (l = 0) get O = 0 and LSE = -inf."""
+    for mt in T.unroll(n_mt):
+        for hh in T.unroll(2):
+            l[mt * 2 + hh] = T.cuda.warp_sum(l[mt * 2 + hh], width=4)
+            row = T.meta_var(q_row0 + mt * 16 + lane // 4 + hh * 8)
+            if row < seqlen_q:
+                for dd in T.unroll(nd):
+                    for e in T.unroll(2):
+                        O[b, h, row, dd * 8 + lane % 4 * 2 + e] = T.Cast(O.dtype, T.Select(
+                            l[mt * 2 + hh] > T.float32(0), o[(mt * nd + dd) * 4 + hh * 2 + e] / l[mt * 2 + hh],
+                            T.float32(0)))
+                if lane % 4 == 0:
+                    LSE[b, h, row] = T.Select(l[mt * 2 + hh] > T.float32(0),
+                                              m[mt * 2 + hh] * T.float32(LN2) + T.log(l[mt * 2 + hh]), NEG_INF)

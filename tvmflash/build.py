@@ -150,18 +150,23 @@ def _build_cpu(spec: AttentionSpec, target: dict, knobs: dict | None = None):
 
 
 def cuda_default_knobs(spec: AttentionSpec) -> dict:
-    from .schedules import cuda_backward, cuda_forward
+    from .schedules import cuda_backward, cuda_forward, cuda_forward_wgmma
 
-    return {**cuda_forward.default_knobs(spec), **cuda_backward.default_knobs(spec)}
+    return {**cuda_forward.default_knobs(spec), **cuda_forward_wgmma.default_knobs(spec),
+            **cuda_backward.default_knobs(spec)}
 
 
 def _build_cuda(spec: AttentionSpec, target: dict, knobs: dict | None = None):
     tvm = _tvm()
-    from .schedules import cuda_backward, cuda_forward
+    from .schedules import cuda_backward, cuda_forward, cuda_forward_wgmma
 
     _prepare_cuda_codegen()
     knobs = {**cuda_default_knobs(spec), **tuned_knobs("cuda", spec), **(knobs or {})}
-    mod = tvm.IRModule({"forward": cuda_forward.forward_kernel_cuda(spec, knobs),
+    if knobs["forward_wgmma"] and cuda_forward_wgmma.supports(spec, target["arch"]):
+        forward = cuda_forward_wgmma.forward_kernel_wgmma(spec, knobs)
+    else:
+        forward = cuda_forward.forward_kernel_cuda(spec, knobs)
+    mod = tvm.IRModule({"forward": forward,
                         **cuda_backward.backward_kernels_cuda(spec, knobs, target["arch"])})
     tvm_target = tvm.target.Target(target)
     with tvm_target:  # the nvcc callback reads the arch from the current target

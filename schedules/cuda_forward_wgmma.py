@@ -1,0 +1,177 @@
+"""Flash-attention forward for Hopper (sm_90a) on warpgroup tensor-core GEMMs (`wgmma`).
+
+Computes what `cuda_forward.py` computes (same spec, score modifiers, online softmax and
+epilogue macros); only the GEMMs differ. Head dims that are multiples of 64 (the swizzled tile
+layout's column block) take this kernel on sm_90a; the others stay on `mma.sync`.
+
+Mapping: one CTA per (q-block of 64 * warpgroups rows, batch * head); each warpgroup (128
+threads) owns 64 query rows. Q and two K and two V tiles sit in shared memory in wgmma's
+128B-swizzled layout, filled by every thread with `cp.async`. Per K/V tile:
+    S = Q K^T       wgmma m64n{BN}k16, both operands from shared memory (K-major)
+    online softmax  on the accumulator registers (the mma.sync layout per warp)
+    O += P V        wgmma m64n{D}k16, P from registers, V from shared memory (MN-major)
+wgmma is asynchronous: the softmax of tile j + 1 runs while the tensor cores do P_j V_j.
+
+Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/knobs.json):
+    forward_wgmma     1: this kernel where `supports` says so; 0: the mma.sync kernel
+    wgmma_block_n     key rows per K/V tile (a multiple of 16)
+    wgmma_warpgroups  warpgroups per CTA (block_m = 64 * warpgroups)
+"""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from tvmflash.kernels.common import F32, Shape
+from tvmflash.kernels.forward import declare_forward_args
+from tvmflash.spec import AttentionSpec
+
+from .cuda_mma import rescale_rows, softmax_tile, store_output, to_a_fragments
+from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
+                         gemm_ss_kmajor, wgmma_op)
+
+DEFAULTS = {"forward_wgmma": 1, "wgmma_block_n": 128, "wgmma_warpgroups": 2}
+
+
+def supports(spec: AttentionSpec, arch: str) -> bool:
+    return arch == "sm_90a" and spec.head_dim % 64 == 0
+
+
+def default_knobs(spec: AttentionSpec) -> dict:
+    knobs = dict(DEFAULTS)
+    if spec.head_dim > 128:  # the O accumulator takes D/2 registers a thread
+        knobs.update(wgmma_block_n=64)
+    return knobs
+
+
+def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
+    D, dt = spec.head_dim, spec.dtype
+    BN, NWG = knobs["wgmma_block_n"], knobs["wgmma_warpgroups"]
+    if D % 64:
+        raise ValueError(f"the wgmma forward needs head_dim % 64 == 0, got {spec}")
+    if BN % 16 or not 16 <= BN <= 256 or NWG not in (1, 2, 3):
+        raise ValueError(f"bad wgmma forward knobs {knobs}")
+    BM = 64 * NWG
+    NT = 128 * NWG
+    NS, ND = BN // 8, D // 8    # n8 accumulator tiles of S and of O
+    OP_S, OP_O = wgmma_op(dt, BN), wgmma_op(dt, D)
+    K_OFF = BM * D              # element offsets in the pool: Q | 2 K tiles | 2 V tiles
+    V_OFF = K_OFF + 2 * BN * D
+    POOL = V_OFF + 2 * BN * D
+
+    shape = Shape.fresh()
+    B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
+
+    @T.prim_func
+    def fwd():
+        T.func_attr({"tirx.noalias": True})
+        Q, K, V, O, LSE, scale, score = T.meta_var(declare_forward_args(spec, shape))
+        T.device_entry()
+        bx, bh = T.cta_id([T.Cast("int32", (LQ + BM - 1) // BM), T.Cast("int32", B * H)])
+        tid = T.thread_id([NT])
+        b = T.meta_var(T.Cast("int64", bh) // H)
+        h = T.meta_var(T.Cast("int64", bh) % H)
+        hk = T.meta_var(h // (H // HK))
+        lane = T.meta_var(tid % 32)
+        wg = T.meta_var(tid // 128)
+        q0 = T.meta_var(T.Cast("int64", bx) * BM)
+        row0 = T.meta_var(tid // 32 * 16)   # this warp's first row in the tile
+        pool = T.alloc_buffer((POOL,), dt, scope="shared.dyn", align=ATOM_BYTES)
+        desc_k = T.alloc_local([1], "uint64")  # K-major layout (Q, K)
+        desc_v = T.alloc_local([1], "uint64")  # MN-major layout (V)
+        s = T.alloc_local([NS * 4], F32)
+        p = T.alloc_local([NS * 4], dt)
+        o = T.alloc_local([ND * 4], F32)
+        m = T.alloc_local([2], F32)  # running max (log2 units) of rows g and g + 8
+        l = T.alloc_local([2], F32)  # running partial sum of this lane's columns
+        mx = T.alloc_local([1], F32)
+        alpha = T.alloc_local([2], F32)
+        pw = p.view("uint32")
+        kb_lo, kb_hi = T.meta_var(score.kv_blocks(q0, T.min(q0 + BM, LQ), BN))
+
+        @T.inline
+        def scores_to_p(k0):
+            # online softmax of the finished S tile (masks and bounds only where needed)
+            if score.tile_unmasked(q0, T.min(q0 + BM, LQ), k0, k0 + BN):
+                softmax_tile(s, m, l, mx, alpha, 1, NS, score, scale, b, h, q0 + row0, k0, lane, False)
+            else:
+                softmax_tile(s, m, l, mx, alpha, 1, NS, score, scale, b, h, q0 + row0, k0, lane, True)
+
+        @T.inline
+        def issue_s(kv_block):
+            T.ptx.wgmma.fence.sync.aligned()
+            gemm_ss_kmajor(OP_S, s, NS * 4, desc_k, wg * 64 * 64, BM, K_OFF + kv_block % 2 * BN * D, BN, D)
+            T.ptx.wgmma.commit_group.sync.aligned()
+
+        @T.inline
+        def prepare_pv():
+            rescale_rows(o, alpha, 1, ND)
+            fence_registers(pw, NS * 2)
+
+        @T.inline
+        def issue_pv(j):
+            T.ptx.wgmma.fence.sync.aligned()
+            gemm_rs_mnmajor(OP_O, o, ND * 4, pw, 0, desc_v, V_OFF + j % 2 * BN * D, BN)
+            T.ptx.wgmma.commit_group.sync.aligned()
+
+        @T.inline
+        def sync_tiles(j):
+            T.ptx["cp.async.wait_group"](0)
+            # cp.async wrote through the generic proxy; wgmma reads through the async one
+            T.ptx.fence.proxy.async_.shared__cta()
+            T.cuda.cta_sync()
+            if j + 2 < n:
+                copy_rows_sw128(pool, K_OFF + j % 2 * BN * D, K, b, hk, (kb_lo + j + 2) * BN, BN, LK, D, tid, NT)
+            if j + 1 < n:
+                copy_rows_sw128(pool, V_OFF + (j + 1) % 2 * BN * D, V, b, hk, (kb_lo + j + 1) * BN, BN, LK, D,
+                                tid, NT)
+            T.ptx["cp.async.commit_group"]()
+
+        n = T.meta_var(kb_hi - kb_lo)
+        copy_rows_sw128(pool, 0, Q, b, h, q0, BM, LQ, D, tid, NT)
+        copy_rows_sw128(pool, K_OFF, K, b, hk, kb_lo * BN, BN, LK, D, tid, NT)
+        copy_rows_sw128(pool, V_OFF, V, b, hk, kb_lo * BN, BN, LK, D, tid, NT)
+        if n > 1:
+            copy_rows_sw128(pool, K_OFF + BN * D, K, b, hk, kb_lo * BN + BN, BN, LK, D, tid, NT)
+        T.ptx["cp.async.commit_group"]()
+        encode_desc(desc_k, pool, 16, ATOM_BYTES)
+        encode_desc(desc_v, pool, BN * 128, ATOM_BYTES)
+        for i in T.unroll(ND * 4):
+            o[i] = T.float32(0)
+        for i in T.unroll(2):
+            m[i] = T.min_value(F32)
+            l[i] = T.float32(0)
+        if n > 0:
+            T.ptx["cp.async.wait_group"](0)
+            T.ptx.fence.proxy.async_.shared__cta()
+            T.cuda.cta_sync()
+            issue_s(0)
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            fence_registers(s, NS * 4)
+            scores_to_p(kb_lo * BN)
+            to_a_fragments(s, p, NS * 4)
+
+        # Iteration j: S_{j+1} = Q K_{j+1}^T and O += P_j V_j go to the tensor cores back to back;
+        # the softmax of S_{j+1} then runs while the PV product is still in flight. K and V
+        # rings of two: K_{j+2} and V_{j+1} are loaded into the slots of K_j and V_{j-1}, whose
+        # readers every warpgroup finished before the barrier.
+        for j in T.serial(n - 1):
+            sync_tiles(j)
+            prepare_pv()
+            issue_s(j + 1)
+            issue_pv(j)
+            T.ptx.wgmma.wait_group.sync.aligned(1)
+            fence_registers(s, NS * 4)
+            scores_to_p((kb_lo + j + 1) * BN)
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            fence_registers(o, ND * 4)
+            to_a_fragments(s, p, NS * 4)
+        if n > 0:
+            sync_tiles(n - 1)
+            prepare_pv()
+            issue_pv(n - 1)
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            fence_registers(o, ND * 4)
+        store_output(O, LSE, o, m, l, 1, ND, b, h, q0 + row0, LQ, lane)
+
+    return fwd.with_attr("global_symbol", "forward")
