@@ -54,13 +54,33 @@ def block_names(sch) -> list[str]:
     return names
 
 
-def schedule(sch, kernel: str, vl: int, fixed: dict | None = None) -> dict:
-    """Schedule function `kernel` of `sch.mod` in place. `fixed` pins knob values (missing
-    ones take their defaults); None samples them (tuning). Returns the knob values used."""
+def kernels(spec, target: dict, knobs: dict) -> dict:
+    """Name -> PrimFunc of every kernel of `spec`'s module (the generic s_tir kernels)."""
+    from ..kernels.backward import backward_delta_kernel, backward_dkdv_kernel, backward_dq_kernel
+    from ..kernels.forward import forward_kernel
+
+    bq, bk = knobs["block_q"], knobs["block_k"]
+    return {
+        "forward": forward_kernel(spec, bq, bk),
+        "backward_delta": backward_delta_kernel(spec, bq),
+        "backward_dkdv": backward_dkdv_kernel(spec, bq, bk),
+        "backward_dq": backward_dq_kernel(spec, bq, bk),
+        "backward_fused": backward_dkdv_kernel(spec, bq, bk, fuse_dq=True),
+    }
+
+
+def schedule(sch, kernel: str, target: dict, fixed: dict | None = None) -> dict:
+    """Schedule function `kernel` of `sch.mod` in place for `target`. `fixed` pins knob values
+    (missing ones take their defaults); None samples them (tuning). Returns the knob values used."""
+    return apply_rules(sch, kernel, RULES, vector_length(target), fixed)
+
+
+def apply_rules(sch, kernel: str, rules: dict, vl: int, fixed: dict | None) -> dict:
+    """Apply `rules` (block name -> rule) to every block of `kernel`, for `vl` fp32 lanes."""
     sch.work_on(kernel)
     knobs = Knobs(sch, fixed, prefix=f"{kernel}.")
     for block in block_names(sch):
-        rule = RULES.get(block)
+        rule = rules.get(block)
         if rule is register_tile:
             rule(sch, block, knobs, vl)
         elif rule is not None:

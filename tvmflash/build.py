@@ -29,10 +29,12 @@ from pathlib import Path
 from filelock import FileLock
 
 from ._paths import PACKAGE_DIR, SCHEDULES_DIR
+from .cpu import request_amx, runs_avx512_amx
 from .spec import AttentionSpec
 from .tuning import tuned_knobs
 
 CPU_KERNELS = ("forward", "backward_delta", "backward_dkdv", "backward_dq", "backward_fused")
+CPU_OPTIONAL_KERNELS = ("forward_pack",)  # AMX forward: K / V^T packing
 CUDA_KERNELS = ("forward", "backward_prep", "backward_dkdv_dq", "backward_dq_convert", "backward_dkdv",
                 "backward_dq")
 
@@ -67,6 +69,20 @@ def host_target() -> dict:
     AVX2-only build on an AVX512 machine)."""
     mcpu = os.environ.get("TVMFLASH_HOST_MCPU") or _tvm().target.codegen.llvm_get_system_cpu()
     return {"kind": "llvm", "mcpu": mcpu, "num-cores": os.cpu_count() or 1}
+
+
+# Sapphire Rapids class (AVX512 + avx512_bf16/fp16 + AMX); num-cores only informs MetaSchedule,
+# fixed so modules built on one machine are found (same cache key) on another
+AVX512_TARGET = {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 16}
+
+
+def cpu_target() -> dict:
+    """The target CPU tensors run on: AVX512_TARGET where this CPU runs it (AVX512 + AMX,
+    detected at run time), else host_target(). TVMFLASH_CPU_TARGET=avx512|host forces one."""
+    choice = os.environ.get("TVMFLASH_CPU_TARGET", "auto")
+    if choice == "avx512" or (choice == "auto" and runs_avx512_amx()):
+        return AVX512_TARGET
+    return host_target()
 
 
 def cuda_target(arch: str | None = None) -> dict:
@@ -107,7 +123,11 @@ def _sources_digest(target: dict) -> str:
 
 
 def _tuning_kind(target: dict) -> str:
-    return "cuda" if target["kind"] == "cuda" else "host"
+    if target["kind"] == "cuda":
+        return "cuda"
+    from .schedules import cpu_schedule
+
+    return cpu_schedule(target).__name__.rsplit(".", 1)[-1]  # host | avx512
 
 
 def module_key(spec: AttentionSpec, target: dict) -> str:
@@ -129,23 +149,14 @@ def build_module(spec: AttentionSpec, target: dict, knobs: dict | None = None):
 
 def _build_cpu(spec: AttentionSpec, target: dict, knobs: dict | None = None):
     tvm = _tvm()
-    from .kernels.backward import backward_delta_kernel, backward_dkdv_kernel, backward_dq_kernel
-    from .kernels.forward import forward_kernel
-    from .schedules import host
+    from .schedules import cpu_schedule
 
-    knobs = {**host.DEFAULTS, **tuned_knobs("host", spec), **(knobs or {})}
-    bq, bk = knobs["block_q"], knobs["block_k"]
-    mod = tvm.IRModule({
-        "forward": forward_kernel(spec, bq, bk),
-        "backward_delta": backward_delta_kernel(spec, bq),
-        "backward_dkdv": backward_dkdv_kernel(spec, bq, bk),
-        "backward_dq": backward_dq_kernel(spec, bq, bk),
-        "backward_fused": backward_dkdv_kernel(spec, bq, bk, fuse_dq=True),
-    })
-    sch = tvm.s_tir.Schedule(mod)
-    vl = host.vector_length(target)
-    for kernel in CPU_KERNELS:
-        host.schedule(sch, kernel, vl, knobs)
+    schedule = cpu_schedule(target)
+    knobs = {**schedule.DEFAULTS, **tuned_knobs(_tuning_kind(target), spec), **(knobs or {})}
+    funcs = schedule.kernels(spec, target, knobs)
+    sch = tvm.s_tir.Schedule(tvm.IRModule(funcs))
+    for kernel in funcs:
+        schedule.schedule(sch, kernel, target, knobs)
     return tvm.compile(sch.mod, target=tvm.target.Target(target))
 
 
@@ -285,9 +296,9 @@ def build_cached(spec: AttentionSpec, target: dict, rebuild: bool = False) -> Pa
 
 
 def load_cached(spec: AttentionSpec, target: dict | None = None) -> dict:
-    """The kernels of `spec` for `target` (default: this CPU), by name: from this process,
+    """The kernels of `spec` for `target` (default: cpu_target()), by name: from this process,
     from the disk cache, or built now. A library that fails to load is rebuilt once."""
-    target = target if target is not None else host_target()
+    target = target if target is not None else cpu_target()
     key = (spec, json.dumps(target, sort_keys=True))
     with _lock:
         if key not in _modules:
@@ -296,5 +307,12 @@ def load_cached(spec: AttentionSpec, target: dict | None = None) -> dict:
                 module = _load(lib, target)
             except Exception:  # noqa: BLE001 - e.g. a library built for another machine
                 module = _load(build_cached(spec, target, rebuild=True), target)
-            _modules[key] = {name: module[name] for name in kernels_of(target)}
+            kernels = {name: module[name] for name in kernels_of(target)}
+            if target["kind"] != "cuda":
+                kernels.update((name, module[name]) for name in CPU_OPTIONAL_KERNELS
+                               if module.implements_function(name, query_imports=True))
+                if "forward_pack" in kernels and not request_amx():
+                    raise RuntimeError(f"{spec.name} for {target_label(target)} runs on AMX, which this "
+                                       "CPU or OS does not provide")
+            _modules[key] = kernels
         return _modules[key]

@@ -30,11 +30,13 @@ def spec_for(q: torch.Tensor, mask: Optional[torch.Tensor], causal: str) -> Atte
                          mask=kind, mask_dtype=mask_dtype)
 
 
-_loaded: dict = {}  # (spec, device) -> kernels: the per-call fast path
+_loaded: dict = {}  # (spec, device, CPU target choice) -> kernels: the per-call fast path
 
 
 def _kernels(spec: AttentionSpec, device: torch.device) -> dict:
-    kernels = _loaded.get((spec, device))
+    # the CPU target is chosen per call (TVMFLASH_CPU_TARGET may change between calls)
+    choice = os.environ.get("TVMFLASH_CPU_TARGET", "auto") if device.type == "cpu" else None
+    kernels = _loaded.get((spec, device, choice))
     if kernels is None:
         from . import build
 
@@ -42,8 +44,8 @@ def _kernels(spec: AttentionSpec, device: torch.device) -> dict:
             index = device.index if device.index is not None else torch.cuda.current_device()
             kernels = build.load_cached(spec, build.cuda_target_for_device(index))
         else:
-            kernels = build.load_cached(spec)
-        _loaded[(spec, device)] = kernels
+            kernels = build.load_cached(spec, build.cpu_target())
+        _loaded[(spec, device, choice)] = kernels
     return kernels
 
 
@@ -92,8 +94,22 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: O
         return out, lse
     kern = _kernels(spec_for(q, mask, causal), q.device)
     with _on_stream(q.device):
-        kern["forward"](q, k, v, out, lse, scale, *_mask_args(mask, (B, H, Lq, Lk)))
+        kern["forward"](q, k, v, out, lse, scale, *_mask_args(mask, (B, H, Lq, Lk)), *_amx_packs(kern, k, v))
     return out, lse
+
+
+def _amx_packs(kern: dict, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """The AMX forward's operands: K and V^T packed once per call (zero-padded keys)."""
+    if "forward_pack" not in kern:
+        return ()
+    from .schedules.avx512 import AMX_KV_PAD as pad
+
+    B, Hk, Lk, D = k.shape
+    Lp = -(-Lk // pad) * pad
+    kp = torch.empty((B, Hk, Lp, D), dtype=k.dtype)
+    vt = torch.empty((B, Hk, D, Lp), dtype=v.dtype)
+    kern["forward_pack"](k, v, kp, vt)
+    return kp, vt
 
 
 @attention_forward.register_fake

@@ -1,0 +1,58 @@
+"""x86 AVX512 schedule (Sapphire Rapids class: 32 zmm registers; bf16 on AMX tiles where the
+target has them).
+
+Which kernels a module holds depends on the target and spec: bf16 with a head dim that is a
+multiple of 32 on an AMX target gets the AMX forward (`kernels/forward_amx.py`) plus its K/V
+packing kernel; everything else (fp32, fp16 converted to fp32, the backward) runs the generic
+s_tir kernels on zmm FMAs. The rules come from `cpu_rules`, as for the host schedule; only the
+vector length, the extra AMX-side blocks and the knob defaults differ. Knobs (names as in
+`host.py`, values for a spec tuned into `tuning_logs/avx512/`):
+
+    block_q, block_k           generator parameters (AMX: multiples of 32 dividing AMX_KV_PAD)
+    <kernel>.<matmul>.rows     register-tile rows of each FMA matmul block
+    <kernel>.<matmul>.vecs     zmm vectors per register-tile row
+"""
+from __future__ import annotations
+
+from . import host
+from .cpu_rules import swap_and_vectorize, vectorize_inner
+
+VL = 16
+AMX_CPUS = ("sapphirerapids", "emeraldrapids", "graniterapids", "diamondrapids")
+AMX_KV_PAD = 128  # packed K / V^T rows per (batch, kv-head) are a multiple of this
+
+# 32 zmm registers: register tiles of up to 8 x 2 (or 4 x 4) accumulators
+DEFAULTS = {
+    "block_q": 64, "block_k": 64,
+    **{f"{k}.{m}.rows": 8 for k, m in (("forward", "qk"), ("forward", "pv"), ("backward_dq", "qk"),
+                                      ("backward_dq", "dp"), ("backward_dq", "dq"))},
+    **{f"{k}.{m}.rows": 8 for k in ("backward_dkdv", "backward_fused") for m in ("qk", "dp", "dv", "dk", "dq")},
+}
+
+
+RULES = {
+    **host.RULES,
+    # AMX forward: VNNI packs of Q (once per task) and of P (every kv-step), transposed acc
+    "pack_q": swap_and_vectorize, "pack_p": vectorize_inner,
+    "pack_k": vectorize_inner, "pack_vT": swap_and_vectorize,
+}
+
+
+def has_amx(target: dict) -> bool:
+    return target.get("mcpu") in AMX_CPUS or "+amx-bf16" in target.get("mattr", [])
+
+
+def kernels(spec, target: dict, knobs: dict) -> dict:
+    """Name -> PrimFunc of every kernel of `spec`'s module for `target`."""
+    from ..kernels.forward_amx import amx_supported, forward_amx_kernel, forward_amx_pack_kernel
+
+    funcs = host.kernels(spec, target, knobs)
+    if has_amx(target) and amx_supported(spec):
+        funcs["forward"] = forward_amx_kernel(spec, knobs["block_q"], knobs["block_k"], AMX_KV_PAD)
+        funcs["forward_pack"] = forward_amx_pack_kernel(spec, AMX_KV_PAD)
+    return funcs
+
+
+def schedule(sch, kernel: str, target: dict, fixed: dict | None = None) -> dict:
+    """As host.schedule, with this file's rules and 16 lanes."""
+    return host.apply_rules(sch, kernel, RULES, VL, fixed)

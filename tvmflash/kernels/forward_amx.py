@@ -1,0 +1,294 @@
+"""bf16 flash-attention forward on Intel AMX tiles (`tdpbf16ps`), fp32 softmax on AVX512.
+
+Same algorithm, block names and outputs as `forward.py` (one task per (batch, head, q-block),
+online softmax over S^T tiles), but both matmuls run on AMX tiles, which need their operands in
+particular layouts:
+
+- S^T = K Q^T (block_k x block_q): A = K rows as stored (16 keys x 32 dims per tile), B = Q^T
+  in VNNI pairs, qp[d/2, i] = (q[i, d], q[i, d+1]) (packed once per task);
+- O^T += V^T P^T (head_dim x block_q): A = V^T (16 dims x 32 keys per tile), B = P^T in VNNI
+  pairs, pp[j/2, i] = (p[j, i], p[j+1, i]): two rows of the S^T-shaped P tile, no transpose.
+
+`forward_amx_pack_kernel` writes K (zero-padded rows) and V^T (zero-padded columns) once per
+(batch, kv-head), padded to a multiple of `kv_pad` keys (the caller allocates them), so every tile load is in bounds and
+padded keys give exactly 0 (their scores are masked to -inf). Tiles are 16 rows x 64 bytes;
+a C block is 2x2 tiles (tmm0-3) fed by two A tiles (tmm4-5) and two B tiles (tmm6-7).
+Q is not pre-scaled here (scale is applied to the fp32 scores), so bf16 rounding of q*scale
+does not enter. Needs head_dim % 32 == 0 and block sizes that are multiples of 32.
+"""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..spec import AttentionSpec
+from .common import F32, NEG_INF, KernelArgs, Shape, fast_exp
+from .forward import declare_forward_args
+from .score_mods import ScoreIndex, ScorePipeline
+
+BF16 = "bfloat16"
+PAIR = "uint32"  # two bf16 (a VNNI pair) of a tile operand built in the kernel; bf16 scratch
+# buffers would not do: TVM legalises them to fp32
+TILE = 16  # rows of an AMX tile; a row is 64 bytes: 32 bf16 or 16 fp32
+
+
+def amx_supported(spec: AttentionSpec) -> bool:
+    return spec.dtype == BF16 and spec.head_dim % 32 == 0
+
+
+def _u32(value: int):
+    return tirx.const(value, PAIR)
+
+
+def bf16_bits(x):
+    """Bits of fp32 `x` rounded to bf16 (nearest even; finite x), as uint32: what a cast to bf16
+    does, written out because TVM keeps bf16 values as fp32 inside a kernel."""
+    u = tirx.reinterpret(PAIR, x)
+    return (u + _u32(0x7FFF) + ((u >> _u32(16)) & _u32(1))) >> _u32(16)
+
+
+def pair_bits(lo, hi):
+    """Two bf16 values (buffer loads) as one VNNI pair: lo in the low half."""
+    return tirx.Cast(PAIR, tirx.reinterpret("uint16", lo)) | (tirx.Cast(PAIR, tirx.reinterpret("uint16", hi)) << _u32(16))
+
+
+def modified(score: ScorePipeline, s, ix: ScoreIndex):
+    """`score`'s modifiers without its bounds check (a compare per score): the kernel masks
+    padded keys per key row and never stores padded queries (ix must be clamped in bounds)."""
+    for mod in score.mods:
+        s = mod.apply(s, ix, score.shape)
+    return s
+
+
+def _amx(name: str, *args):
+    return tirx.call_llvm_intrin("void", f"llvm.x86.{name}", *args)
+
+
+def _tmm(i: int):
+    return tirx.IntImm("int8", i)
+
+
+def _stride(nbytes):
+    return tirx.Cast("int64", nbytes)
+
+
+def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int) -> tirx.PrimFunc:
+    """kp[b, h, j, d] = K (0 past Lk), vt[b, h, d, j] = V^T (0 past Lk), j < padded length."""
+    D = spec.head_dim
+    shape = Shape.fresh()
+    B, HK, LK = shape.batch, shape.heads_k, shape.seqlen_k
+    LKP = tirx.Var("seqlen_k_padded", "int64")
+    args = KernelArgs()
+    CH = 32  # keys per task
+    assert kv_pad % CH == 0
+
+    def declare():
+        k = args.tensor("k", (B, HK, LK, D), BF16)
+        v = args.tensor("v", (B, HK, LK, D), BF16)
+        kp = args.tensor("kp", (B, HK, LKP, D), BF16)
+        vt = args.tensor("vt", (B, HK, D, LKP), BF16)
+        return k, v, kp, vt
+
+    @T.prim_func(s_tir=True)
+    def pack():
+        T.func_attr({"tirx.noalias": True})
+        K, V, KP, VT = T.meta_var(declare())
+        NCH = T.meta_var(LKP // CH)
+        for t in T.parallel(B * HK * NCH):
+            with T.sblock("tile"):
+                vb = T.axis.spatial(B, t // (HK * NCH))
+                vh = T.axis.spatial(HK, t // NCH % HK)
+                vc = T.axis.spatial(NCH, t % NCH)
+                j0 = T.meta_var(vc * CH)
+                for j, d in T.grid(CH, D):
+                    with T.sblock("pack_k"):
+                        vj, vd = T.axis.remap("SS", [j, d])
+                        KP[vb, vh, j0 + vj, vd] = T.Select(
+                            j0 + vj < LK, K[vb, vh, T.min(j0 + vj, LK - 1), vd], T.bfloat16(0))
+                for j, d in T.grid(CH, D):
+                    with T.sblock("pack_vT"):
+                        vj, vd = T.axis.remap("SS", [j, d])
+                        VT[vb, vh, vd, j0 + vj] = T.Select(
+                            j0 + vj < LK, V[vb, vh, T.min(j0 + vj, LK - 1), vd], T.bfloat16(0))
+
+    return pack.with_attr("global_symbol", "forward_pack")
+
+
+def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: int) -> tirx.PrimFunc:
+    """`kv_pad`: the packed K / V^T length is a multiple of it (block_k must divide it)."""
+    assert amx_supported(spec) and block_q % 32 == 0 and block_k % 32 == 0 and kv_pad % block_k == 0
+    D, BQ, BK = spec.head_dim, block_q, block_k
+    shape = Shape.fresh()
+    B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
+    LKP = tirx.Var("seqlen_k_padded", "int64")
+    packed = KernelArgs()
+
+    def declare():
+        q, k, v, o, lse, scale, score = declare_forward_args(spec, shape)
+        kp = packed.tensor("kp", (B, HK, LKP, D), BF16)
+        vt = packed.tensor("vt", (B, HK, D, LKP), BF16)
+        return q, o, lse, scale, score, kp, vt
+
+    @T.prim_func(s_tir=True)
+    def fwd():
+        T.func_attr({"tirx.noalias": True})
+        Q, O, LSE, scale, score, KP, VT = T.meta_var(declare())
+        NQB = T.meta_var((LQ + BQ - 1) // BQ)
+        kp_row, vt_row = T.meta_var((KP.strides[2] * 2, VT.strides[2] * 2))  # bytes
+        for t in T.parallel(B * H * NQB):
+            with T.sblock("tile"):
+                vb = T.axis.spatial(B, t // (H * NQB))
+                vh = T.axis.spatial(H, t // NQB % H)
+                vqb = T.axis.spatial(NQB, t % NQB)
+                cfg = T.sblock_alloc_buffer((64,), "uint8")
+                qp = T.sblock_alloc_buffer((D // 2, BQ), PAIR)
+                m = T.sblock_alloc_buffer((BQ,), F32)
+                l = T.sblock_alloc_buffer((BQ,), F32)
+                accT = T.sblock_alloc_buffer((D, BQ), F32)
+                vhk = T.meta_var(vh // (H // HK))
+                q0 = T.meta_var(vqb * BQ)
+                kb_lo, kb_hi = T.meta_var(score.kv_blocks(q0, T.min(q0 + BQ, LQ), BK))
+                with T.sblock("tile_config"):
+                    T.reads()
+                    T.writes(cfg[0:64])
+                    for c in T.serial(64):
+                        cfg[c] = T.uint8(0)
+                    cfg[0] = T.uint8(1)  # palette 1
+                    for n in T.serial(8):  # 8 tiles of 16 rows x 64 bytes
+                        cfg[16 + 2 * n] = T.uint8(64)
+                        cfg[48 + n] = T.uint8(TILE)
+                    T.evaluate(_amx("ldtilecfg", T.address_of(cfg[0])))
+                for i, p in T.grid(BQ, D // 2):
+                    with T.sblock("pack_q"):
+                        vi, vp = T.axis.remap("SS", [i, p])
+                        qp[vp, vi] = T.Select(q0 + vi < LQ, pair_bits(Q[vb, vh, T.min(q0 + vi, LQ - 1), vp * 2],
+                                                                       Q[vb, vh, T.min(q0 + vi, LQ - 1), vp * 2 + 1]),
+                                              T.uint32(0))
+                for i in T.serial(BQ):
+                    with T.sblock("init_ml"):
+                        vi = T.axis.remap("S", [i])
+                        m[vi] = T.min_value(F32)
+                        l[vi] = T.float32(0)
+                for d, i in T.grid(D, BQ):
+                    with T.sblock("init_acc"):
+                        vd, vi = T.axis.remap("SS", [d, i])
+                        accT[vd, vi] = T.float32(0)
+                for kb in T.serial(kb_lo, kb_hi):
+                    with T.sblock("kv_step"):
+                        vkb = T.axis.opaque((LK + BK - 1) // BK, kb)
+                        sT = T.sblock_alloc_buffer((BK, BQ), F32)
+                        sc = T.sblock_alloc_buffer((BK, BQ), F32)
+                        pT = T.sblock_alloc_buffer((BK, BQ), F32)
+                        pp = T.sblock_alloc_buffer((BK // 2, BQ), PAIR)
+                        mn = T.sblock_alloc_buffer((BQ,), F32)
+                        alpha = T.sblock_alloc_buffer((BQ,), F32)
+                        ls = T.sblock_alloc_buffer((BQ,), F32)
+                        pvT = T.sblock_alloc_buffer((D, BQ), F32)
+                        k0 = T.meta_var(vkb * BK)
+                        # S^T block (32 keys x 32 queries) = K rows . Q^T, 2x2 tiles
+                        for jb, ib in T.grid(BK // 32, BQ // 32):
+                            with T.sblock("qk_amx"):
+                                vjb, vib = T.axis.remap("SS", [jb, ib])
+                                T.reads(KP[vb, vhk, k0 + vjb * 32:k0 + vjb * 32 + 32, 0:D],
+                                        qp[0:D // 2, vib * 32:vib * 32 + 32], cfg[0:64])
+                                T.writes(sT[vjb * 32:vjb * 32 + 32, vib * 32:vib * 32 + 32])
+                                for c in T.unroll(4):
+                                    T.evaluate(_amx("tilezero", T.Cast("int8", c)))
+                                for dc in T.serial(D // 32):
+                                    for a in T.unroll(2):
+                                        T.evaluate(_amx("tileloadd64", T.Cast("int8", 4 + a),
+                                                        T.address_of(KP[vb, vhk, k0 + vjb * 32 + a * TILE, dc * 32]),
+                                                        _stride(kp_row)))
+                                        T.evaluate(_amx("tileloadd64", T.Cast("int8", 6 + a),
+                                                        T.address_of(qp[dc * TILE, vib * 32 + a * TILE]),
+                                                        _stride(BQ * 4)))
+                                    T.evaluate(_amx("tdpbf16ps", _tmm(0), _tmm(4), _tmm(6)))
+                                    T.evaluate(_amx("tdpbf16ps", _tmm(1), _tmm(4), _tmm(7)))
+                                    T.evaluate(_amx("tdpbf16ps", _tmm(2), _tmm(5), _tmm(6)))
+                                    T.evaluate(_amx("tdpbf16ps", _tmm(3), _tmm(5), _tmm(7)))
+                                for c in T.unroll(4):
+                                    T.evaluate(_amx("tilestored64", T.Cast("int8", c),
+                                                    T.address_of(sT[vjb * 32 + c // 2 * TILE, vib * 32 + c % 2 * TILE]),
+                                                    _stride(BQ * 4)))
+                        for j, i in T.grid(BK, BQ):
+                            with T.sblock("score"):
+                                vj, vi = T.axis.remap("SS", [j, i])
+                                sc[vj, vi] = T.Select(k0 + vj < LK, modified(
+                                    score, sT[vj, vi] * scale,
+                                    ScoreIndex(vb, vh, T.min(q0 + vi, LQ - 1), T.min(k0 + vj, LK - 1))), NEG_INF)
+                        for i, j in T.grid(BQ, BK):
+                            with T.sblock("rowmax"):
+                                vi, vj = T.axis.remap("SR", [i, j])
+                                with T.init():
+                                    mn[vi] = T.min_value(F32)
+                                mn[vi] = T.max(mn[vi], sc[vj, vi])
+                        for i in T.serial(BQ):
+                            with T.sblock("alpha"):
+                                vi = T.axis.remap("S", [i])
+                                alpha[vi] = fast_exp(m[vi] - T.max(m[vi], mn[vi]))
+                                m[vi] = T.max(m[vi], mn[vi])
+                        for j, i in T.grid(BK, BQ):
+                            with T.sblock("p"):
+                                vj, vi = T.axis.remap("SS", [j, i])
+                                pT[vj, vi] = fast_exp(sc[vj, vi] - m[vi])
+                        for i, j in T.grid(BQ, BK):
+                            with T.sblock("rowsum"):
+                                vi, vj = T.axis.remap("SR", [i, j])
+                                with T.init():
+                                    ls[vi] = T.float32(0)
+                                ls[vi] = ls[vi] + pT[vj, vi]
+                        for i in T.serial(BQ):
+                            with T.sblock("l_update"):
+                                vi = T.axis.remap("S", [i])
+                                l[vi] = l[vi] * alpha[vi] + ls[vi]
+                        for p, i in T.grid(BK // 2, BQ):
+                            with T.sblock("pack_p"):
+                                vp, vi = T.axis.remap("SS", [p, i])
+                                pp[vp, vi] = bf16_bits(pT[vp * 2, vi]) | (bf16_bits(pT[vp * 2 + 1, vi]) << T.uint32(16))
+                        # O^T block (32 dims x 32 queries) = V^T . P^T, 2x2 tiles
+                        for db, ib in T.grid(D // 32, BQ // 32):
+                            with T.sblock("pv_amx"):
+                                vdb, vib = T.axis.remap("SS", [db, ib])
+                                T.reads(VT[vb, vhk, vdb * 32:vdb * 32 + 32, k0:k0 + BK],
+                                        pp[0:BK // 2, vib * 32:vib * 32 + 32], cfg[0:64])
+                                T.writes(pvT[vdb * 32:vdb * 32 + 32, vib * 32:vib * 32 + 32])
+                                for c in T.unroll(4):
+                                    T.evaluate(_amx("tilezero", T.Cast("int8", c)))
+                                for jc in T.serial(BK // 32):
+                                    for a in T.unroll(2):
+                                        T.evaluate(_amx("tileloadd64", T.Cast("int8", 4 + a),
+                                                        T.address_of(VT[vb, vhk, vdb * 32 + a * TILE, k0 + jc * 32]),
+                                                        _stride(vt_row)))
+                                        T.evaluate(_amx("tileloadd64", T.Cast("int8", 6 + a),
+                                                        T.address_of(pp[jc * TILE, vib * 32 + a * TILE]),
+                                                        _stride(BQ * 4)))
+                                    T.evaluate(_amx("tdpbf16ps", _tmm(0), _tmm(4), _tmm(6)))
+                                    T.evaluate(_amx("tdpbf16ps", _tmm(1), _tmm(4), _tmm(7)))
+                                    T.evaluate(_amx("tdpbf16ps", _tmm(2), _tmm(5), _tmm(6)))
+                                    T.evaluate(_amx("tdpbf16ps", _tmm(3), _tmm(5), _tmm(7)))
+                                for c in T.unroll(4):
+                                    T.evaluate(_amx("tilestored64", T.Cast("int8", c),
+                                                    T.address_of(pvT[vdb * 32 + c // 2 * TILE, vib * 32 + c % 2 * TILE]),
+                                                    _stride(BQ * 4)))
+                        for d in T.serial(D):
+                            for i in T.vectorized(BQ):
+                                with T.sblock("acc_update"):
+                                    vd, vi = T.axis.remap("SS", [d, i])
+                                    accT[vd, vi] = accT[vd, vi] * alpha[vi] + pvT[vd, vi]
+                with T.sblock("tile_release"):
+                    T.reads()
+                    T.writes()
+                    T.evaluate(_amx("tilerelease"))
+                for i in T.serial(BQ):
+                    with T.sblock("store_lse"):
+                        vi = T.axis.remap("S", [i])
+                        T.where(q0 + i < LQ)
+                        LSE[vb, vh, q0 + vi] = T.Select(l[vi] > T.float32(0), m[vi] + T.log(l[vi]), NEG_INF)
+                for i, d in T.grid(BQ, D):
+                    with T.sblock("store_o"):
+                        vi, vd = T.axis.remap("SS", [i, d])
+                        T.where(q0 + i < LQ)
+                        O[vb, vh, q0 + vi, vd] = T.Cast(
+                            BF16, T.Select(l[vi] > T.float32(0), accT[vd, vi] / l[vi], T.float32(0)))
+
+    return fwd.with_attr("global_symbol", "forward")
