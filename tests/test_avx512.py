@@ -1,0 +1,111 @@
+"""The AVX512 / AMX path (schedules/avx512.py, kernels/forward_amx.py).
+
+Build checks run everywhere (CI has no AVX512): the sapphirerapids modules compile and their
+assembly holds what the schedule intends (zmm FMAs; AMX tile products for the bf16 forward).
+The correctness matrix runs those modules against the float64 reference, on CPUs with AVX512 +
+AMX only (skipped elsewhere); TVMFLASH_CPU_TARGET=avx512 pins the path whatever `auto` picks.
+"""
+import functools
+
+import pytest
+import torch
+
+import tvmflash
+from tvmflash import AttentionSpec
+from tvmflash.cpu import runs_avx512_amx
+from test_attention import DTYPES, check_against_reference, flash_run, make, masks
+
+SPR = {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 16}
+
+
+@functools.lru_cache(maxsize=None)
+def spr_asm(spec: AttentionSpec) -> dict:
+    """Assembly of each kernel of `spec`'s sapphirerapids module (built once per run)."""
+    from tvmflash.build import build_module
+
+    asm = build_module(spec, SPR).mod.inspect_source("asm")
+    funcs, name = {}, None
+    for line in asm.splitlines():
+        if line.endswith("_compute_:"):  # a kernel's body (TVM outlines it from the packed wrapper)
+            name = line[:-len("_compute_:")]
+        elif name:
+            funcs[name] = funcs.get(name, "") + line + "\n"
+    return funcs
+
+
+def test_bf16_forward_runs_on_amx_tiles():
+    asm = spr_asm(AttentionSpec("bfloat16", 64, causal="bottom_right"))
+    fwd = asm["forward"]
+    assert "ldtilecfg" in fwd and "tilerelease" in fwd
+    assert fwd.count("tdpbf16ps") >= 8 and fwd.count("tileloadd") >= 8 and "tilestored" in fwd
+    assert "zmm" in fwd and "vfmadd" in fwd  # softmax (fast exp) on AVX512
+    assert "expf" not in fwd  # fast exp, no libm calls
+    assert "tdpbf16ps" not in asm["backward_dkdv"]  # the backward stays on FMAs (for now)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_fp32_and_fp16_run_on_zmm_fmas(dtype):
+    asm = spr_asm(AttentionSpec(dtype, 64))
+    for name in ("forward", "backward_dkdv", "backward_dq"):
+        assert asm[name].count("vfmadd231ps\t%zmm") + asm[name].count("vfmadd213ps\t%zmm") > 20, name
+        assert "tdpbf16ps" not in asm[name]
+
+
+needs_amx = pytest.mark.skipif(not runs_avx512_amx(), reason="CPU lacks AVX512 + AMX (or the OS denies AMX)")
+
+
+@pytest.fixture(autouse=True)
+def avx512_target(monkeypatch):
+    monkeypatch.setenv("TVMFLASH_CPU_TARGET", "avx512")
+
+
+SHAPES = [(1, 1), (17, 17), (113, 203), (203, 113), (257, 64), (300, 300)]
+# (dtype, head_dim, causal): bf16 with D % 32 == 0 takes the AMX forward, the rest zmm FMAs
+SPECS = [("bf16", 64, False), ("bf16", 64, True), ("bf16", 128, True), ("bf16", 80, False),
+         ("fp16", 64, True), ("fp32", 64, False), ("fp32", 128, True)]
+
+
+@needs_amx
+@pytest.mark.parametrize("dtype,d,causal", SPECS, ids=lambda x: str(x))
+@pytest.mark.parametrize("lq,lk", SHAPES, ids=lambda x: str(x))
+def test_matrix(dtype, d, causal, lq, lk):
+    h, hk = [(4, 2), (6, 1), (3, 3)][(lq + d) % 3]
+    q, k, v, dout = make(2, h, hk, lq, lk, d, DTYPES[dtype])
+    check_against_reference(q, k, v, dout, flash_run(causal), causal="bottom_right" if causal else "none")
+
+
+@needs_amx
+@pytest.mark.parametrize("kind,dtype,causal", [("bool", "bf16", True), ("additive", "bf16", False),
+                                               ("bool", "fp32", False)], ids=lambda x: str(x))
+def test_masks(kind, dtype, causal):
+    b, h, lq, lk = 2, 3, 113, 203
+    q, k, v, dout = make(b, h, h, lq, lk, 64, DTYPES[dtype])
+    for mask in masks(kind, b, h, lq, lk, DTYPES[dtype]):
+        def run(q, k, v):
+            out = tvmflash.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+            _, lse = torch.ops.tvmflash.attention_forward(q, k, v, mask, 64 ** -0.5,
+                                                          "top_left" if causal else "none")
+            return out, lse
+        check_against_reference(q, k, v, dout, run, causal="top_left" if causal else "none", mask=mask)
+
+
+@needs_amx
+def test_decode_and_strided_inputs():
+    """Lq = 1 against a long cache; q/k/v as strided views of packed tensors (K/V are packed
+    by the AMX path, never copied by the caller)."""
+    g = torch.Generator().manual_seed(5)
+    kv = torch.randn(2, 1000, 2, 4, 128, generator=g).bfloat16()
+    k, v = kv.unbind(2)
+    q = torch.randn(2, 1, 8, 128, generator=g).bfloat16()
+    dout = torch.randn(2, 1, 8, 128, generator=g).bfloat16()
+    t = lambda x: x.transpose(1, 2)
+    check_against_reference(t(q), t(k), t(v), t(dout), flash_run(True), causal="bottom_right")
+
+
+@needs_amx
+def test_amx_path_is_taken():
+    from tvmflash import build
+    from tvmflash.ops import _kernels
+
+    assert build.cpu_target() == build.AVX512_TARGET
+    assert "forward_pack" in _kernels(AttentionSpec("bfloat16", 64), torch.device("cpu"))
