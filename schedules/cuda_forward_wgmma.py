@@ -74,7 +74,9 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         hk = T.meta_var(h // (H // HK))
         lane = T.meta_var(tid % 32)
         wg = T.meta_var(tid // 128)
-        q0 = T.meta_var(T.Cast("int64", bx) * BM)
+        # q-blocks in reverse: under a causal mask the last ones have the most keys, and the
+        # longest CTAs should start first
+        q0 = T.meta_var((T.Cast("int64", (LQ + BM - 1) // BM) - 1 - bx) * BM)
         row0 = T.meta_var(tid // 32 * 16)   # this warp's first row in the tile
         pool = T.alloc_buffer((POOL,), dt, scope="shared.dyn", align=ATOM_BYTES)
         desc_k = T.alloc_local([1], "uint64")  # K-major layout (Q, K)

@@ -161,24 +161,28 @@ def _build_cpu(spec: AttentionSpec, target: dict, knobs: dict | None = None):
 
 
 def cuda_default_knobs(spec: AttentionSpec) -> dict:
-    from .schedules import cuda_backward, cuda_forward, cuda_forward_wgmma
+    from .schedules import cuda_backward, cuda_backward_wgmma, cuda_forward, cuda_forward_wgmma
 
     return {**cuda_forward.default_knobs(spec), **cuda_forward_wgmma.default_knobs(spec),
-            **cuda_backward.default_knobs(spec)}
+            **cuda_backward.default_knobs(spec), **cuda_backward_wgmma.DEFAULTS}
 
 
 def _build_cuda(spec: AttentionSpec, target: dict, knobs: dict | None = None):
     tvm = _tvm()
-    from .schedules import cuda_backward, cuda_forward, cuda_forward_wgmma
+    from .schedules import cuda_backward, cuda_backward_wgmma, cuda_forward, cuda_forward_wgmma
 
     _prepare_cuda_codegen()
     knobs = {**cuda_default_knobs(spec), **tuned_knobs("cuda", spec), **(knobs or {})}
-    if knobs["forward_wgmma"] and cuda_forward_wgmma.supports(spec, target["arch"]):
-        forward = cuda_forward_wgmma.forward_kernel_wgmma(spec, knobs)
+    arch = target["arch"]
+    kernels = cuda_backward.backward_kernels_cuda(spec, knobs, arch)
+    if knobs["forward_wgmma"] and cuda_forward_wgmma.supports(spec, arch):
+        kernels["forward"] = cuda_forward_wgmma.forward_kernel_wgmma(spec, knobs)
     else:
-        forward = cuda_forward.forward_kernel_cuda(spec, knobs)
-    mod = tvm.IRModule({"forward": forward,
-                        **cuda_backward.backward_kernels_cuda(spec, knobs, target["arch"])})
+        kernels["forward"] = cuda_forward.forward_kernel_cuda(spec, knobs)
+    if knobs["bwd_wgmma"] and cuda_backward_wgmma.supports(spec, arch):
+        for name, with_dq in (("backward_dkdv_dq", True), ("backward_dkdv", False)):
+            kernels[name] = cuda_backward_wgmma.dkdv_kernel_wgmma(spec, knobs, with_dq)
+    mod = tvm.IRModule(kernels)
     tvm_target = tvm.target.Target(target)
     with tvm_target:  # the nvcc callback reads the arch from the current target
         return tvm.compile(mod, target=tvm_target, tir_pipeline="tirx")

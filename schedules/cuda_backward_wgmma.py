@@ -1,0 +1,241 @@
+"""Flash-attention dK / dV (and atomic dQ) for Hopper (sm_90a) on warpgroup GEMMs (`wgmma`).
+
+Computes what `cuda_backward.dkdv_kernel` computes; the prep, dQ-convert and deterministic dQ
+kernels stay those of `cuda_backward.py`. Head dims 64 and 128 take this kernel on sm_90a.
+
+Mapping: one CTA per (kv-block of 64 * warpgroups keys, batch * kv-head); each warpgroup owns
+64 keys. K and V stay in shared memory while the 64-query blocks of every query head of the GQA
+group stream past (Q, dO and the row stats double-buffered by `cp.async`, in wgmma's swizzled
+layout, see `cuda_wgmma`). Per q-block, with keys as the M dimension:
+    S^T = K Q^T, dP^T = V dO^T     two smem x smem wgmma, in flight together
+    P^T = exp2(S^T scale log2e - lse2)              registers (as the A operand of:)
+    dV += P^T dO                   register-A wgmma, overlapping the dS^T computation
+    dS^T = P^T (dP^T - delta)      registers, then dK += dS^T Q (register-A wgmma)
+    dQ += dS K                     dS^T goes to shared memory; each warpgroup computes
+                                   D / warpgroups columns of dQ over all the CTA's keys and adds
+                                   them to the fp32 accumulator with `red.global.add.v2.f32`.
+
+Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/knobs.json):
+    bwd_wgmma             1: this kernel where `supports` says so; 0: the mma.sync kernel
+    bwd_wgmma_warpgroups  warpgroups per CTA (keys per CTA = 64 * warpgroups)
+"""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from tvmflash.kernels.common import F32, LOG2E, Shape
+from tvmflash.kernels.score_mods import ScoreIndex
+from tvmflash.spec import AttentionSpec
+
+from .cuda_backward import _check, _declare
+from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
+                         gemm_ss_kmajor, gemm_ss_mnmajor, wgmma_op)
+
+DEFAULTS = {"bwd_wgmma": 1, "bwd_wgmma_warpgroups": 2}
+BM = 64  # queries per streamed q-block: the M of the dQ product
+
+
+def supports(spec: AttentionSpec, arch: str) -> bool:
+    return arch == "sm_90a" and spec.head_dim in (64, 128)
+
+
+def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFunc:
+    _check(spec)
+    D, dt = spec.head_dim, spec.dtype
+    NWG = knobs["bwd_wgmma_warpgroups"]
+    if D % 64 or NWG not in (1, 2) or D % (8 * NWG):
+        raise ValueError(f"the wgmma backward needs head_dim % 64 == 0 and 1 or 2 warpgroups, got {spec}, {knobs}")
+    BN = 64 * NWG
+    NT = 128 * NWG
+    NQ8 = BM // 8          # n8 tiles of a warpgroup's S^T (64 keys x BM queries)
+    ND = D // 8            # n8 tiles of dK / dV
+    DQN = D // NWG         # dQ columns of one warpgroup
+    OP_S, OP_KV, OP_DQ = wgmma_op(dt, BM), wgmma_op(dt, D), wgmma_op(dt, DQN)
+    # pool (elements): K | V | Q slots | dO slots | dS^T
+    K_OFF, V_OFF = 0, BN * D
+    Q_OFF = 2 * BN * D
+    DO_OFF = Q_OFF + 2 * BM * D
+    DS_OFF = DO_OFF + 2 * BM * D
+    POOL = DS_OFF + BN * BM
+
+    shape = Shape.fresh()
+    B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
+
+    def declare():
+        outs = [("dk", HK, LK, dt), ("dv", HK, LK, dt)] + ([("dq_acc", H, LQ, F32)] if with_dq else [])
+        q, k, v, do, lse2, delta, (dk, dv, *dq_acc), scale, score = _declare(spec, shape, outs)
+        return q, k, v, do, lse2, delta, dk, dv, (dq_acc or [None])[0], scale, score
+
+    @T.prim_func
+    def dkdv():
+        T.func_attr({"tirx.noalias": True})
+        Q, K, V, DO, LSE2, DELTA, DK, DV, DQ_ACC, scale, score = T.meta_var(declare())
+        T.device_entry()
+        bx, bh = T.cta_id([T.Cast("int32", (LK + BN - 1) // BN), T.Cast("int32", B * HK)])
+        tid = T.thread_id([NT])
+        b = T.meta_var(T.Cast("int64", bh) // HK)
+        hk = T.meta_var(T.Cast("int64", bh) % HK)
+        G = T.meta_var(H // HK)
+        lane = T.meta_var(tid % 32)
+        wg = T.meta_var(tid // 128)
+        k0 = T.meta_var(T.Cast("int64", bx) * BN)
+        kr = T.meta_var(tid // 32 * 16)            # this warp's key rows in the tile
+        pool = T.alloc_buffer((POOL,), dt, scope="shared.dyn", align=ATOM_BYTES)
+        stats = T.alloc_buffer((2, 2, BM), F32, scope="shared", align=16)  # [slot][lse2|delta][q]
+        desc_kmaj = T.alloc_local([1], "uint64")   # K-major operands (K, V as A; Q, dO as B)
+        desc_q_mn = T.alloc_local([1], "uint64")   # MN-major BM-row tiles (Q, dO as B; dS^T as A)
+        desc_k_mn = T.alloc_local([1], "uint64")   # MN-major BN-row tiles (K as B of dQ)
+        s = T.alloc_local([NQ8 * 4], F32)
+        dp = T.alloc_local([max(NQ8 * 4, DQN // 2)], F32)  # dP^T, then the dQ accumulator
+        p = T.alloc_local([NQ8 * 4], dt)
+        ds = T.alloc_local([NQ8 * 4], dt)
+        dk = T.alloc_local([ND * 4], F32)
+        dv = T.alloc_local([ND * 4], F32)
+        pw = p.view("uint32")
+        dsw = ds.view("uint32")
+        pool_w = pool.view("uint32")
+        scale_log2 = T.meta_var(scale * T.float32(LOG2E))
+        qb_lo, qb_hi = T.meta_var(score.q_blocks(k0, T.min(k0 + BN, LK), BM))
+        NQB = T.meta_var(qb_hi - qb_lo)
+        NJ = T.meta_var(G * NQB)
+        # the step's (group head, q-block) and the next one's, advanced without divisions
+        cur = T.alloc_local([2], "int64")
+        nxt = T.alloc_local([2], "int64")
+        step_h = T.meta_var(lambda st: hk * G + st[0])
+        step_q0 = T.meta_var(lambda st: (qb_lo + st[1]) * BM)
+
+        @T.inline
+        def load_step(st, slot):
+            h = T.meta_var(step_h(st))
+            q0 = T.meta_var(step_q0(st))
+            copy_rows_sw128(pool, Q_OFF + slot * BM * D, Q, b, h, q0, BM, LQ, D, tid, NT)
+            copy_rows_sw128(pool, DO_OFF + slot * BM * D, DO, b, h, q0, BM, LQ, D, tid, NT)
+            for it in T.unroll((2 * BM + NT - 1) // NT):
+                c = T.meta_var(tid + it * NT)
+                row = T.meta_var(q0 + c % BM)
+                if 2 * BM % NT == 0 or c < 2 * BM:
+                    if c < BM:
+                        T.ptx["cp.async.ca.shared.global"](
+                            stats.ptr_to([slot, 0, c % BM]), LSE2.ptr_to([b, h, T.min(row, LQ - 1)]),
+                            4, T.Select(row < LQ, T.uint32(4), T.uint32(0)))
+                    else:
+                        T.ptx["cp.async.ca.shared.global"](
+                            stats.ptr_to([slot, 1, c % BM]), DELTA.ptr_to([b, h, T.min(row, LQ - 1)]),
+                            4, T.Select(row < LQ, T.uint32(4), T.uint32(0)))
+
+        @T.inline
+        def probabilities(h, q0, slot, masked):
+            # s: scores -> P^T (fp32) and p (input dtype); rows are keys, columns queries
+            for nt in T.unroll(NQ8):
+                for hh in T.unroll(2):
+                    for e in T.unroll(2):
+                        idx = T.meta_var(nt * 4 + hh * 2 + e)
+                        qc = T.meta_var(nt * 8 + lane % 4 * 2 + e)
+                        ix = T.meta_var(ScoreIndex(b, h, q0 + qc, k0 + kr + lane // 4 + hh * 8))
+                        if masked or score.changes_values:
+                            s[idx] = T.exp2(score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - stats[slot, 0, qc])
+                        else:
+                            s[idx] = T.exp2(s[idx] * scale_log2 - stats[slot, 0, qc])
+                        p[idx] = T.Cast(dt, s[idx])
+
+        @T.inline
+        def sync_loads():
+            T.ptx["cp.async.wait_group"](0)
+            # cp.async wrote through the generic proxy; wgmma reads through the async one
+            T.ptx.fence.proxy.async_.shared__cta()
+            T.cuda.cta_sync()
+
+        cur[0] = T.int64(0)
+        cur[1] = T.int64(0)
+        if NJ > 0:
+            copy_rows_sw128(pool, K_OFF, K, b, hk, k0, BN, LK, D, tid, NT)
+            copy_rows_sw128(pool, V_OFF, V, b, hk, k0, BN, LK, D, tid, NT)
+            load_step(cur, 0)
+        T.ptx["cp.async.commit_group"]()
+        encode_desc(desc_kmaj, pool, 16, ATOM_BYTES)
+        encode_desc(desc_q_mn, pool, BM * 128, ATOM_BYTES)
+        encode_desc(desc_k_mn, pool, BN * 128, ATOM_BYTES)
+        for i in T.unroll(ND * 4):
+            dk[i] = T.float32(0)
+            dv[i] = T.float32(0)
+
+        for j in T.serial(NJ):
+            slot = T.meta_var(j % 2)
+            h = T.meta_var(step_h(cur))
+            q0 = T.meta_var(step_q0(cur))
+            q_tile = T.meta_var(Q_OFF + slot * BM * D)
+            do_tile = T.meta_var(DO_OFF + slot * BM * D)
+            sync_loads()
+            nxt[0] = T.Select(cur[1] + 1 < NQB, cur[0], cur[0] + 1)
+            nxt[1] = T.Select(cur[1] + 1 < NQB, cur[1] + 1, T.int64(0))
+            if j + 1 < NJ:  # prefetch the next q-block into the other slot
+                load_step(nxt, (j + 1) % 2)
+            T.ptx["cp.async.commit_group"]()
+            # S^T = K Q^T and dP^T = V dO^T
+            T.ptx.wgmma.fence.sync.aligned()
+            gemm_ss_kmajor(OP_S, s, NQ8 * 4, desc_kmaj, K_OFF + wg * 64 * 64, BN, q_tile, BM, D)
+            T.ptx.wgmma.commit_group.sync.aligned()
+            gemm_ss_kmajor(OP_S, dp, NQ8 * 4, desc_kmaj, V_OFF + wg * 64 * 64, BN, do_tile, BM, D)
+            T.ptx.wgmma.commit_group.sync.aligned()
+            T.ptx.wgmma.wait_group.sync.aligned(1)
+            fence_registers(s, NQ8 * 4)
+            if score.tile_unmasked(q0, q0 + BM, k0, k0 + BN):
+                probabilities(h, q0, slot, False)
+            else:
+                probabilities(h, q0, slot, True)
+            # dV += P^T dO
+            fence_registers(pw, NQ8 * 2)
+            T.ptx.wgmma.fence.sync.aligned()
+            gemm_rs_mnmajor(OP_KV, dv, ND * 4, pw, 0, desc_q_mn, do_tile, BM)
+            T.ptx.wgmma.commit_group.sync.aligned()
+            T.ptx.wgmma.wait_group.sync.aligned(1)
+            fence_registers(dp, NQ8 * 4)
+            # dS^T = P^T (dP^T - delta); dK += dS^T Q (x scale at the end)
+            for nt in T.unroll(NQ8):
+                for i in T.unroll(4):
+                    idx = T.meta_var(nt * 4 + i)
+                    ds[idx] = T.Cast(dt, s[idx] * (dp[idx] - stats[slot, 1, nt * 8 + lane % 4 * 2 + i % 2]))
+            if with_dq:
+                # dS^T to shared memory (one swizzled column block, keys as rows) for dQ; before
+                # the dK product reads the same registers asynchronously
+                for nt in T.unroll(NQ8):
+                    for hh in T.unroll(2):
+                        key = T.meta_var(kr + lane // 4 + hh * 8)
+                        pool_w[(DS_OFF + key * 64 + T.bitwise_xor(nt, key % 8) * 8 + lane % 4 * 2) // 2] = dsw[nt * 2 + hh]
+            fence_registers(dsw, NQ8 * 2)
+            T.ptx.wgmma.fence.sync.aligned()
+            gemm_rs_mnmajor(OP_KV, dk, ND * 4, dsw, 0, desc_q_mn, q_tile, BM)
+            T.ptx.wgmma.commit_group.sync.aligned()
+            if with_dq:
+                # dQ = dS K over the CTA's keys, this warpgroup's DQN columns
+                T.ptx.fence.proxy.async_.shared__cta()
+                T.cuda.cta_sync()
+                T.ptx.wgmma.fence.sync.aligned()
+                gemm_ss_mnmajor(OP_DQ, dp, DQN // 2, desc_q_mn, DS_OFF, desc_k_mn,
+                                K_OFF + wg * DQN // 64 * (BN * 64) + wg * DQN % 64, BN)
+                T.ptx.wgmma.commit_group.sync.aligned()
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                fence_registers(dp, DQN // 2)
+                for nt in T.unroll(DQN // 8):
+                    for hh in T.unroll(2):
+                        row = T.meta_var(q0 + (tid % 128) // 32 * 16 + lane // 4 + hh * 8)
+                        if row < LQ:
+                            T.ptx["red.global.add.v2.f32"](
+                                DQ_ACC.ptr_to([b, h, row, wg * DQN + nt * 8 + lane % 4 * 2]),
+                                dp[nt * 4 + hh * 2], dp[nt * 4 + hh * 2 + 1])
+            else:
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+            fence_registers(dk, ND * 4)
+            fence_registers(dv, ND * 4)
+            cur[0] = nxt[0]
+            cur[1] = nxt[1]
+        for dd in T.unroll(ND):
+            for hh in T.unroll(2):
+                key = T.meta_var(k0 + kr + lane // 4 + hh * 8)
+                if key < LK:
+                    for e in T.unroll(2):
+                        DK[b, hk, key, dd * 8 + lane % 4 * 2 + e] = T.Cast(dt, dk[dd * 4 + hh * 2 + e] * scale)
+                        DV[b, hk, key, dd * 8 + lane % 4 * 2 + e] = T.Cast(dt, dv[dd * 4 + hh * 2 + e])
+
+    return dkdv.with_attr("global_symbol", "backward_dkdv_dq" if with_dq else "backward_dkdv")
