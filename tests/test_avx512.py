@@ -1,7 +1,8 @@
 """The AVX512 / AMX path (schedules/avx512.py, kernels/forward_amx.py).
 
-Build checks run everywhere (CI has no AVX512): the sapphirerapids modules compile and their
-assembly holds what the schedule intends (zmm FMAs; AMX tile products for the bf16 forward).
+Build checks (`test_asm_*`, they need TVM's compiler) run everywhere, CI has no AVX512: the
+sapphirerapids modules compile and their assembly holds what the schedule intends (zmm FMAs; AMX
+tile products for the bf16 forward).
 The correctness matrix runs those modules against the float64 reference, on CPUs with AVX512 +
 AMX only (skipped elsewhere); TVMFLASH_CPU_TARGET=avx512 pins the path whatever `auto` picks.
 """
@@ -33,7 +34,7 @@ def spr_asm(spec: AttentionSpec) -> dict:
     return funcs
 
 
-def test_bf16_forward_runs_on_amx_tiles():
+def test_asm_bf16_forward_runs_on_amx_tiles():
     asm = spr_asm(AttentionSpec("bfloat16", 64, causal="bottom_right"))
     fwd = asm["forward"]
     assert "ldtilecfg" in fwd and "tilerelease" in fwd
@@ -44,7 +45,7 @@ def test_bf16_forward_runs_on_amx_tiles():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_fp32_and_fp16_run_on_zmm_fmas(dtype):
+def test_asm_fp32_and_fp16_run_on_zmm_fmas(dtype):
     asm = spr_asm(AttentionSpec(dtype, 64))
     for name in ("forward", "backward_dkdv", "backward_dq"):
         assert asm[name].count("vfmadd231ps\t%zmm") + asm[name].count("vfmadd213ps\t%zmm") > 20, name
@@ -74,9 +75,11 @@ def test_matrix(dtype, d, causal, lq, lk):
     check_against_reference(q, k, v, dout, flash_run(causal), causal="bottom_right" if causal else "none")
 
 
+MASK_CASES = [("bool", "bf16", True), ("additive", "bf16", False), ("bool", "fp32", False)]
+
+
 @needs_amx
-@pytest.mark.parametrize("kind,dtype,causal", [("bool", "bf16", True), ("additive", "bf16", False),
-                                               ("bool", "fp32", False)], ids=lambda x: str(x))
+@pytest.mark.parametrize("kind,dtype,causal", MASK_CASES, ids=lambda x: str(x))
 def test_masks(kind, dtype, causal):
     b, h, lq, lk = 2, 3, 113, 203
     q, k, v, dout = make(b, h, h, lq, lk, 64, DTYPES[dtype])

@@ -2,9 +2,9 @@
 
 Protocol
 --------
-* Layout (B, H, L, D) with Lq = Lk = L; inputs are built once per grid point
+* Layout (B, H, L, D) with Lq = Lk = L (or a fixed Lq, e.g. 1 for decode); inputs are built once per grid point
   with ``torch.manual_seed(0)`` and shared by every implementation.
-* FLOPs: forward = 4·B·H·L·L·D (halved when causal), backward = 2.5 × forward.
+* FLOPs: forward = 4·B·H·Lq·Lk·D (halved when causal), backward = 2.5 × forward.
 * Forward is timed with autograd enabled (inputs require grad), i.e. the
   forward that a training step runs.  Backward is timed alone:
   ``torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)`` on a
@@ -139,8 +139,9 @@ def _auto_iters(call_ms: float) -> int:
 # --------------------------------------------------------------------------- #
 # Benchmark grid
 # --------------------------------------------------------------------------- #
-def flops_forward(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool) -> float:
-    return 4.0 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
+def flops_forward(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool,
+                  seqlen_q: int | None = None) -> float:
+    return 4.0 * batch * heads * (seqlen_q or seqlen) * seqlen * head_dim * (0.5 if causal else 1.0)
 
 
 def _bench_point(
@@ -151,6 +152,7 @@ def _bench_point(
     batch: int,
     heads: int,
     seqlen: int,
+    seqlen_q: int | None,
     head_dim: int,
     causal: bool,
     rounds: int,
@@ -161,8 +163,9 @@ def _bench_point(
 ) -> dict:
     torch.manual_seed(0)
     shape = (batch, heads, seqlen, head_dim)
-    q, k, v = (torch.randn(shape, device=device, dtype=DTYPES[dtype], requires_grad=True) for _ in range(3))
-    grad_out = torch.randn(shape, device=device, dtype=DTYPES[dtype])
+    q_shape = (batch, heads, seqlen_q or seqlen, head_dim)
+    q, k, v = (torch.randn(sh, device=device, dtype=DTYPES[dtype], requires_grad=True) for sh in (q_shape, shape, shape))
+    grad_out = torch.randn(q_shape, device=device, dtype=DTYPES[dtype])
 
     # Warm-up (compiles tvmflash's kernels on first use) and drop baselines that reject this point.
     status("warm-up (first tvmflash call may compile)")
@@ -194,7 +197,7 @@ def _bench_point(
             device,
         )
 
-    gflop_fwd = flops_forward(batch, heads, seqlen, head_dim, causal) / 1e9
+    gflop_fwd = flops_forward(batch, heads, seqlen, head_dim, causal, seqlen_q) / 1e9
     gflop_bwd = 2.5 * gflop_fwd
     timings = {
         name: (
@@ -221,6 +224,7 @@ def _bench_point(
         "batch": batch,
         "heads": heads,
         "seqlen": seqlen,
+        "seqlen_q": seqlen_q or seqlen,
         "head_dim": head_dim,
         "causal": causal,
         "threads": torch.get_num_threads(),
@@ -239,6 +243,7 @@ def run(
     device: str = "cpu",
     dtypes: Iterable[str] = ("fp32", "bf16"),
     seqlens: Iterable[int] = (512, 2048),
+    seqlen_q: int | None = None,
     head_dims: Iterable[int] = (64, 128),
     causal: Iterable[bool] = (False,),
     batch: int | None = None,
@@ -250,7 +255,8 @@ def run(
     console: Console | None = None,
 ) -> list[dict]:
     """Benchmark every (dtype, causal, head_dim, seqlen) point; one result dict per point.
-    With ``backward=False`` only the forward is timed (bwd fields are None). ``batch``/``heads``
+    With ``backward=False`` only the forward is timed (bwd fields are None); ``seqlen_q`` fixes
+    the query length (decode: 1) while ``seqlens`` sets the key length. ``batch``/``heads``
     None follow DESIGN.md's protocol: on CPU B=1, H=16; on CUDA B=16384/L, H=2048/D.
 
     Progress goes to ``console`` (stderr by default).
@@ -269,7 +275,8 @@ def run(
     with Progress(*columns, console=console or Console(stderr=True)) as progress:
         task = progress.add_task("benchmark", total=len(points))
         for dtype, is_causal, head_dim, seqlen in points:
-            label = f"{dtype} D={head_dim} L={seqlen}" + (" causal" if is_causal else "")
+            label = f"{dtype} D={head_dim} L={seqlen}" + (f" Lq={seqlen_q}" if seqlen_q else "") + (
+                " causal" if is_causal else "")
 
             def status(stage: str, label: str = label) -> None:
                 progress.update(task, description=f"{label}: {stage}")
@@ -281,6 +288,7 @@ def run(
                 batch=batch or (16384 // seqlen if device == "cuda" else 1),
                 heads=heads or (2048 // head_dim if device == "cuda" else 16),
                 seqlen=seqlen,
+                seqlen_q=seqlen_q,
                 head_dim=head_dim,
                 causal=is_causal,
                 rounds=rounds,
@@ -296,6 +304,24 @@ def run(
             progress.advance(task)
         progress.update(task, description="done")
     return rows
+
+
+def cpu_report(out_dir: str | Path, tag: str, rounds: int = 5, long_seqlen: int = 16384) -> list[Path]:
+    """The CPU grid of DESIGN.md / issue 4 (B=1, H=16; fp32 and bf16; D {64, 128}; L {1024, 4096};
+    forward and backward), then forward only at L=``long_seqlen`` and decode (Lq=1, Lk {4096,
+    ``long_seqlen``}): ``<tag>.json``, ``<tag>-long.json``, ``<tag>-decode.json`` (+ PNGs)."""
+    parts = [
+        ("", dict(seqlens=[1024, 4096], backward=True, rounds=rounds)),
+        ("-long", dict(seqlens=[long_seqlen], backward=False, rounds=max(2, rounds // 2), warmup=1)),
+        ("-decode", dict(seqlens=[4096, long_seqlen], seqlen_q=1, backward=False, rounds=rounds)),
+    ]
+    paths = []
+    for suffix, kwargs in parts:
+        rows = run(device="cpu", dtypes=["fp32", "bf16"], head_dims=[64, 128], **kwargs)
+        print_table(rows)
+        paths.append(write_results(rows, out_dir, tag + suffix)[0])
+        print(paths[-1], flush=True)
+    return paths
 
 
 # --------------------------------------------------------------------------- #
@@ -344,13 +370,17 @@ def machine_info(device: str = "cpu") -> dict:
         "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS},
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "env": {var: os.environ.get(var) for var in ("OMP_NUM_THREADS", "TVM_NUM_THREADS")},
+        "env": {var: os.environ.get(var) for var in ("OMP_NUM_THREADS", "TVM_NUM_THREADS", "TVMFLASH_CPU_TARGET")},
         "cuda_available": torch.cuda.is_available(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "git": _git_describe(),
     }
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
+    else:
+        from .build import cpu_target, target_label
+
+        info["tvmflash_cpu_target"] = target_label(cpu_target())
     return info
 
 
@@ -403,7 +433,9 @@ def plot_results(json_path: str | Path) -> Path:
 
 
 def _point_label(row: dict) -> str:
-    return f"{row['dtype']}\nD{row['head_dim']} L{row['seqlen']}" + ("\ncausal" if row["causal"] else "")
+    lq = row.get("seqlen_q", row["seqlen"])
+    return f"{row['dtype']}\nD{row['head_dim']} L{row['seqlen']}" + (f"\nLq{lq}" if lq != row["seqlen"] else "") + (
+        "\ncausal" if row["causal"] else "")
 
 
 def _plot(rows: list[dict], path: Path, title: str) -> None:
@@ -488,7 +520,7 @@ def print_table(rows: list[dict], console: Console | None = None) -> None:
         table.add_row(
             r["dtype"],
             str(r["head_dim"]),
-            str(r["seqlen"]),
+            str(r["seqlen"]) + (f" (Lq {r['seqlen_q']})" if r.get("seqlen_q", r["seqlen"]) != r["seqlen"] else ""),
             "yes" if r["causal"] else "no",
             _fmt_ms(ours["fwd_ms"]),
             _fmt_ms(base["fwd_ms"]),

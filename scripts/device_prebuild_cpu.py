@@ -1,0 +1,28 @@
+"""Build the sapphirerapids (AVX512 + AMX) modules scripts/device_check_cpu.sh needs into
+.devcache/cpu/ (or $TVMFLASH_CACHE_DIR), on any machine with the TVM compiler, so the GPU
+machine's Xeon needs only TVM's runtime: the specs of tests/test_avx512.py and of the benchmark.
+
+    python scripts/device_prebuild_cpu.py
+"""
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+os.environ.setdefault("TVMFLASH_CACHE_DIR", str(ROOT / ".devcache" / "cpu"))
+
+from test_avx512 import MASK_CASES, SPECS  # noqa: E402
+from tvmflash import build  # noqa: E402
+from tvmflash.spec import AttentionSpec  # noqa: E402
+
+NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+specs = {AttentionSpec(NAMES[dt], d, causal="bottom_right" if c else "none") for dt, d, c in SPECS}
+specs |= {AttentionSpec(NAMES[dt], 64, causal="top_left" if c else "none", mask=kind) for kind, dt, c in MASK_CASES}
+specs |= {AttentionSpec("bfloat16", 128, causal="bottom_right"), AttentionSpec("bfloat16", 64)}  # decode, path
+specs |= {AttentionSpec(dt, d) for dt in ("float32", "bfloat16") for d in (64, 128)}  # benchmark
+start = time.time()
+for spec in sorted(specs, key=lambda s: s.name):
+    build.build_cached(spec, build.AVX512_TARGET)
+print(f"{len(specs)} specs in {build.cache_dir()} ({time.time() - start:.0f} s)")
