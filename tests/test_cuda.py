@@ -42,6 +42,20 @@ def test_cuda_module_builds_with_cubin(spec, tmp_path):
     assert b"cubin" in data and b"__global__" not in data, "module carries CUDA source, not a binary"
 
 
+def test_hopper_kernels_run_on_wgmma_where_they_take_the_spec():
+    from tvmflash.build import cuda_kernels
+
+    def uses_wgmma(spec, arch):  # forward, atomic-dQ backward, deterministic dQ
+        kernels = cuda_kernels(spec, arch)
+        return tuple("wgmma" in kernels[name].script() for name in ("forward", "backward_dkdv_dq", "backward_dq"))
+
+    assert uses_wgmma(AttentionSpec("bfloat16", 64), "sm_90a") == (True, True, False)
+    assert uses_wgmma(AttentionSpec("float16", 128, causal="top_left"), "sm_90a") == (True, True, False)
+    assert uses_wgmma(AttentionSpec("float16", 256), "sm_90a") == (True, False, False)
+    assert uses_wgmma(AttentionSpec("float16", 96), "sm_90a") == (False, False, False)
+    assert uses_wgmma(AttentionSpec("float16", 128), "sm_80") == (False, False, False)
+
+
 @needs_nvcc
 def test_cuda_module_builds_for_sm80(tmp_path):
     from tvmflash.build import build_module, cuda_target

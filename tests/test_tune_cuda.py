@@ -7,11 +7,21 @@ from tvmflash.spec import AttentionSpec
 
 def test_candidates_respect_shared_memory_and_registers():
     for d in (64, 128, 256):
-        for knobs in tune_cuda.candidates(AttentionSpec("float16", d)):
+        for knobs in tune_cuda.candidates(AttentionSpec("float16", d), arch="sm_80"):
             assert (knobs["block_m"] + 2 * knobs["stages"] * knobs["block_n"]) * (d + 8) * 2 <= tune_cuda.SMEM_LIMIT
             assert not (knobs["q_in_registers"] and d > 128)
             assert knobs["warp_m_tiles"] == 1 or d <= 128
-    assert len(tune_cuda.candidates(AttentionSpec("float16", 64))) == 40  # (12 one-tile + 8 two-tile) x 2 rings
+    assert len(tune_cuda.candidates(AttentionSpec("float16", 64), arch="sm_80")) == 40  # (12 one-tile + 8 two-tile) x 2 rings
+    assert "block_m" in tune_cuda.candidates(AttentionSpec("float16", 96))[0]  # sm_90a, no wgmma kernel for 96
+
+
+def test_hopper_candidates_are_the_wgmma_knobs_that_fit():
+    for d, count in ((64, 4), (128, 4), (256, 2)):  # D=256: block_n 128 does not fit shared memory
+        cands = tune_cuda.candidates(AttentionSpec("bfloat16", d))
+        assert len(cands) == count and all(c["forward_wgmma"] == 1 for c in cands)
+        assert all((64 * c["wgmma_warpgroups"] + 4 * c["wgmma_block_n"]) * d * 2 <= tune_cuda.SMEM_LIMIT for c in cands)
+    assert tune_cuda.candidates(AttentionSpec("float16", 128), "backward") == [
+        {"bwd_wgmma": 1, "bwd_wgmma_warpgroups": 1}, {"bwd_wgmma": 1, "bwd_wgmma_warpgroups": 2}]
 
 
 def test_record_keeps_the_fastest_candidate_per_spec(tmp_path, monkeypatch):
@@ -45,6 +55,6 @@ def test_record_merges_forward_and_backward_phases(tmp_path, monkeypatch):
 
 def test_backward_candidates_fit_shared_memory():
     for d in (64, 128, 256):
-        cands = tune_cuda.candidates(AttentionSpec("float16", d), "backward")
+        cands = tune_cuda.candidates(AttentionSpec("float16", d), "backward", arch="sm_80")
         assert cands and all(set(c) == {"bwd_block_n", "bwd_block_m", "bwd_stages", "bwd_d_split"} for c in cands)
         assert all((c["bwd_d_split"] == 2) == (d > 128) for c in cands)

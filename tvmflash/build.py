@@ -167,13 +167,13 @@ def cuda_default_knobs(spec: AttentionSpec) -> dict:
             **cuda_backward.default_knobs(spec), **cuda_backward_wgmma.DEFAULTS}
 
 
-def _build_cuda(spec: AttentionSpec, target: dict, knobs: dict | None = None):
-    tvm = _tvm()
+def cuda_kernels(spec: AttentionSpec, arch: str, knobs: dict | None = None) -> dict:
+    """Every CUDA kernel of `spec` by module function name: the Hopper (wgmma) kernels on
+    sm_90a where they take the spec, the mma.sync ones otherwise. `knobs` override the
+    tuned/default ones (tuning candidates)."""
     from .schedules import cuda_backward, cuda_backward_wgmma, cuda_forward, cuda_forward_wgmma
 
-    _prepare_cuda_codegen()
     knobs = {**cuda_default_knobs(spec), **tuned_knobs("cuda", spec), **(knobs or {})}
-    arch = target["arch"]
     kernels = cuda_backward.backward_kernels_cuda(spec, knobs, arch)
     if knobs["forward_wgmma"] and cuda_forward_wgmma.supports(spec, arch):
         kernels["forward"] = cuda_forward_wgmma.forward_kernel_wgmma(spec, knobs)
@@ -182,7 +182,13 @@ def _build_cuda(spec: AttentionSpec, target: dict, knobs: dict | None = None):
     if knobs["bwd_wgmma"] and cuda_backward_wgmma.supports(spec, arch):
         for name, with_dq in (("backward_dkdv_dq", True), ("backward_dkdv", False)):
             kernels[name] = cuda_backward_wgmma.dkdv_kernel_wgmma(spec, knobs, with_dq)
-    mod = tvm.IRModule(kernels)
+    return kernels
+
+
+def _build_cuda(spec: AttentionSpec, target: dict, knobs: dict | None = None):
+    tvm = _tvm()
+    _prepare_cuda_codegen()
+    mod = tvm.IRModule(cuda_kernels(spec, target["arch"], knobs))
     tvm_target = tvm.target.Target(target)
     with tvm_target:  # the nvcc callback reads the arch from the current target
         return tvm.compile(mod, target=tvm_target, tir_pipeline="tirx")

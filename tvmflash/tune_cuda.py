@@ -29,17 +29,27 @@ TUNED_SPECS = [AttentionSpec(dt, d, causal=c) for dt, d, c in itertools.product(
 SMEM_LIMIT = 227 * 1024
 
 
-def candidates(spec: AttentionSpec, phase: str = "forward") -> list[dict]:
+def candidates(spec: AttentionSpec, phase: str = "forward", arch: str = "sm_90a") -> list[dict]:
+    """The knob grid of `phase`'s kernels for `spec` on `arch`: the wgmma kernels' knobs where
+    they take the spec (sm_90a), else the mma.sync kernels'."""
+    from .schedules import cuda_backward_wgmma, cuda_forward_wgmma
+
     row_bytes = (spec.head_dim + 8) * 2
     out = []
     d = spec.head_dim
-    if phase == "forward":
+    if phase == "forward" and cuda_forward_wgmma.supports(spec, arch):
+        for bn, wg in itertools.product((64, 128), (1, 2)):
+            if (64 * wg + 4 * bn) * d * 2 <= SMEM_LIMIT:  # Q + two K and two V tiles
+                out.append({"forward_wgmma": 1, "wgmma_block_n": bn, "wgmma_warpgroups": wg})
+    elif phase == "forward":
         for bm, bn, q_regs, mt, st in itertools.product((64, 128), (32, 64, 128), (1, 0), (1, 2), (2, 3)):
             # two m-tiles per warp double the accumulators: only where registers allow
             fits_regs = mt == 1 or (bn <= 64 and (d <= 64 or (d <= 128 and bn == 32 and not q_regs)))
             if (bm + 2 * st * bn) * row_bytes <= SMEM_LIMIT and not (q_regs and d > 128) and fits_regs:
                 out.append({"block_m": bm, "block_n": bn, "q_in_registers": q_regs, "warp_m_tiles": mt,
                             "stages": st})
+    elif cuda_backward_wgmma.supports(spec, arch):
+        out = [{"bwd_wgmma": 1, "bwd_wgmma_warpgroups": wg} for wg in (1, 2)]
     else:
         for bn, bm, stages, split in itertools.product((64, 128), (32, 64), (2, 3), (1, 2)):
             # split: two CTAs per kv-block share the gradient columns (for large head dims)
