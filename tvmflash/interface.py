@@ -1,16 +1,16 @@
 """Public attention functions: flash-attn 2.x and torch SDPA compatible.
 
 These validate their inputs (clear ValueError/TypeError naming the argument, before any kernel
-runs), turn the caller's layout into (batch, heads, seqlen, head_dim) *views* and call the
-`tvmflash::attention_forward` operator, which autograd differentiates with our own backward
-kernels. Features whose kernels do not exist yet raise NotImplementedError, never pass silently.
+runs), turn the caller's layout into (batch, heads, seqlen, head_dim) *views* and call
+`ops.attention` (the `tvmflash::attention_forward` operator under torch.compile), which
+autograd differentiates with our own backward kernels. Features whose kernels do not exist yet raise NotImplementedError, never pass silently.
 """
 from __future__ import annotations
 
 import math
 import torch
 
-from .ops import attention_forward
+from .ops import attention
 from .spec import MAX_HEAD_DIM
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -124,7 +124,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                          "pass enable_gqa=True for grouped-query attention")
     _unsupported(dropout_p=dropout_p != 0.0)
     mask = _check_mask(attn_mask, query, key)
-    out, _ = attention_forward(query, key, value, mask, _scale(scale, query.shape[-1], "scale"),
+    out, _ = attention(query, key, value, mask, _scale(scale, query.shape[-1], "scale"),
                                "top_left" if is_causal else "none", torch.are_deterministic_algorithms_enabled())
     return out
 
@@ -147,7 +147,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
     _unsupported(dropout_p=dropout_p != 0.0, window_size=tuple(window_size) != (-1, -1),
                  softcap=softcap != 0.0, alibi_slopes=alibi_slopes is not None)
-    out, lse = attention_forward(qh, kh, vh, None, _scale(softmax_scale, q.shape[-1], "softmax_scale"),
+    out, lse = attention(qh, kh, vh, None, _scale(softmax_scale, q.shape[-1], "softmax_scale"),
                                  "bottom_right" if causal else "none", bool(deterministic))
     out = out.transpose(1, 2)
     return (out, lse, None) if return_attn_probs else out

@@ -76,11 +76,26 @@ def _mask_args(mask: Optional[torch.Tensor], shape) -> tuple:
     return (mask.view(torch.uint8) if mask.dtype == torch.bool else mask,)
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+              causal: str, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output and lse, differentiable. Under torch.compile this is the
+    `tvmflash::attention_forward` operator (traceable, fake impls); in eager mode the same
+    kernels run through a plain autograd.Function, which costs a fraction of the custom op's
+    per-call dispatch (tens of microseconds, the whole runtime of a small attention call)."""
+    if torch.compiler.is_compiling():
+        return attention_forward(q, k, v, mask, scale, causal, deterministic)
+    return _EagerAttention.apply(q, k, v, mask, scale, causal, deterministic)
+
+
 @torch.library.custom_op("tvmflash::attention_forward", mutates_args=())
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                       scale: float, causal: str, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output and lse. `deterministic` only concerns the backward on CUDA (where dQ
     is otherwise accumulated with atomics); the CPU backward is always deterministic."""
+    return _forward(q, k, v, mask, scale, causal)
+
+
+def _forward(q, k, v, mask, scale, causal):
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
     out = torch.empty_like(q)
@@ -136,6 +151,10 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v. `dlse` (a gradient flowing into the returned lse) enters through
     dS = P * (dP - delta + dlse): it is folded into delta."""
+    return _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic)
+
+
+def _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic):
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -190,11 +209,30 @@ def _setup_context(ctx, inputs, output):
     ctx.scale, ctx.causal, ctx.deterministic = scale, causal, deterministic
 
 
-def _backward(ctx, dout, dlse):
+def _gradients(ctx, dout, dlse):
     q, k, v, out, lse, mask = ctx.saved_tensors
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, dlse, mask, ctx.scale, ctx.causal,
                                     ctx.deterministic)
     return dq, dk, dv, None, None, None, None
 
 
-attention_forward.register_autograd(_backward, setup_context=_setup_context)
+attention_forward.register_autograd(_gradients, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The eager-mode path of `attention`: the operators' implementations without their dispatch."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale, causal, deterministic):
+        out, lse = _forward(q, k, v, mask, scale, causal)
+        _setup_context(ctx, (q, k, v, mask, scale, causal, deterministic), (out, lse))
+        ctx.set_materialize_grads(False)  # no zero dlse to fold into delta when lse is unused
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        if dout is None:  # only lse was used
+            dout = torch.zeros_like(out)
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, mask, ctx.scale, ctx.causal, ctx.deterministic)
+        return dq, dk, dv, None, None, None, None
