@@ -2,7 +2,7 @@
 target has them).
 
 Which kernels a module holds depends on the target and spec: bf16 with a head dim that is a
-multiple of 32 on an AMX target gets the AMX forward (`kernels/forward_amx.py`) plus its K/V
+multiple of 32 on an AMX target gets the AMX forward (`amx_forward.py`: hand-mapped, as the CUDA kernels are) plus its K/V
 packing kernel; everything else (fp32, fp16 converted to fp32, the backward) runs the generic
 s_tir kernels on zmm FMAs. The rules come from `cpu_rules`, as for the host schedule; only the
 vector length, the extra AMX-side blocks and the knob defaults differ. Knobs (names as in
@@ -44,7 +44,7 @@ def has_amx(target: dict) -> bool:
 
 def kernels(spec, target: dict, knobs: dict) -> dict:
     """Name -> PrimFunc of every kernel of `spec`'s module for `target`."""
-    from ..kernels.forward_amx import amx_supported, forward_amx_kernel, forward_amx_pack_kernel
+    from .amx_forward import amx_supported, forward_amx_kernel, forward_amx_pack_kernel
 
     funcs = host.kernels(spec, target, knobs)
     if has_amx(target) and amx_supported(spec):

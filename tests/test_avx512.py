@@ -1,4 +1,4 @@
-"""The AVX512 / AMX path (schedules/avx512.py, kernels/forward_amx.py).
+"""The AVX512 / AMX path (schedules/avx512.py, schedules/amx_forward.py).
 
 Build checks (`test_asm_*`, they need TVM's compiler) run everywhere, CI has no AVX512: the
 sapphirerapids modules compile and their assembly holds what the schedule intends (zmm FMAs; AMX

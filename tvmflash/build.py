@@ -131,7 +131,7 @@ def _tuning_kind(target: dict) -> str:
 
 
 def module_key(spec: AttentionSpec, target: dict) -> str:
-    import tvm  # the runtime-only import is enough here
+    tvm = _tvm()  # threads set up before TVM starts its pool (the runtime-only import is enough)
 
     blob = json.dumps({"tvm": tvm.__version__, "target": target, "spec": repr(spec),
                        "sources": _sources_digest(target), "knobs": tuned_knobs(_tuning_kind(target), spec)},

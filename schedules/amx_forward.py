@@ -22,9 +22,9 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
-from .common import F32, NEG_INF, KernelArgs, Shape, fast_exp
-from .forward import declare_forward_args
-from .score_mods import ScoreIndex, ScorePipeline
+from ..kernels.common import F32, NEG_INF, KernelArgs, Shape, fast_exp
+from ..kernels.forward import declare_forward_args
+from ..kernels.score_mods import ScoreIndex, ScorePipeline
 
 BF16 = "bfloat16"
 PAIR = "uint32"  # two bf16 (a VNNI pair) of a tile operand built in the kernel; bf16 scratch
