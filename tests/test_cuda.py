@@ -21,6 +21,7 @@ def _compiler_available() -> bool:
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None or not _compiler_available(),
                                 reason="needs nvcc and the TVM compiler")
+needs_compiler = pytest.mark.skipif(not _compiler_available(), reason="needs the TVM compiler")
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 BUILD_SPECS = [AttentionSpec("float16", d) for d in (32, 64, 80, 96, 128, 192, 256)] + [
@@ -42,6 +43,7 @@ def test_cuda_module_builds_with_cubin(spec, tmp_path):
     assert b"cubin" in data and b"__global__" not in data, "module carries CUDA source, not a binary"
 
 
+@needs_compiler
 def test_hopper_kernels_run_on_wgmma_where_they_take_the_spec():
     from tvmflash.build import cuda_kernels
 
