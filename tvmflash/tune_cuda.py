@@ -78,44 +78,64 @@ def build(out_dir: Path, phase: str = "forward") -> None:
     (out_dir / "index.json").write_text(json.dumps(index, indent=1))
 
 
-def time_candidates(out_dir: Path, seqlen: int = 4096) -> None:
-    import torch
+SEQLENS = (1024, 4096)  # a candidate's score: the geometric mean of its times at these lengths
+
+
+def time_candidates(out_dir: Path) -> None:
+    """Time every candidate of out_dir/index.json at each of SEQLENS (B = 16384/L, H = 2048/D,
+    the benchmark's shapes) into out_dir/timings.json."""
+    import math
 
     from .build import _load, cuda_target
-    from .ops import _backward_cuda, _on_stream
 
     results = []
     for entry in json.loads((out_dir / "index.json").read_text()):
         spec = AttentionSpec(**{**entry["spec"], "score_mods": ()})
         kern = _load(out_dir / entry["lib"], cuda_target())
-        dt = getattr(torch, spec.dtype)
-        b, h, d = 16384 // seqlen, 2048 // spec.head_dim, spec.head_dim
-        q, k, v, do = (torch.randn(b, h, seqlen, d, device="cuda", dtype=dt) for _ in range(4))
-        o, dq, dk, dv = (torch.empty_like(q) for _ in range(4))
-        lse = torch.empty(b, h, seqlen, device="cuda", dtype=torch.float32)
         backward = entry.get("phase") == "backward"
-
-        def call():
-            if backward:
-                _backward_cuda(kern, do, q, k, v, o, lse, None, (), d ** -0.5, False, dq, dk, dv)
-            else:
-                kern["forward"](q, k, v, o, lse, d ** -0.5)
-
-        with _on_stream(q.device):
-            kern["forward"](q, k, v, o, lse, d ** -0.5)
-            for _ in range(3):
-                call()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(20):
-                call()
-            end.record()
-        torch.cuda.synchronize()
-        ms = start.elapsed_time(end) / 20
-        flops = 4 * b * h * seqlen * seqlen * d * (0.5 if spec.causal != "none" else 1) * (2.5 if backward else 1)
-        results.append({**entry, "ms": ms, "tflops": flops / ms / 1e9})
-        print(f"{spec.name} {entry['knobs']}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+        per_length = {L: _time_one(kern, spec, L, backward) for L in SEQLENS}
+        ms = math.prod(per_length.values()) ** (1 / len(SEQLENS))
+        results.append({**entry, "ms": ms, "ms_per_seqlen": per_length,
+                        "tflops": {L: _flops(spec, L, backward) / t / 1e9 for L, t in per_length.items()}})
+        print(f"{spec.name} {entry['knobs']}: " + ", ".join(
+            f"L={L} {_flops(spec, L, backward) / t / 1e9:.0f} TFLOP/s" for L, t in per_length.items()), flush=True)
     (out_dir / "timings.json").write_text(json.dumps(results, indent=1))
+
+
+def _flops(spec: AttentionSpec, seqlen: int, backward: bool) -> float:
+    b, h = 16384 // seqlen, 2048 // spec.head_dim
+    return 4 * b * h * seqlen * seqlen * spec.head_dim * (0.5 if spec.causal != "none" else 1) * (2.5 if backward else 1)
+
+
+def _time_one(kern: dict, spec: AttentionSpec, seqlen: int, backward: bool) -> float:
+    """Milliseconds per call of the forward, or of the backward (prep, dK/dV/dQ, convert)."""
+    import torch
+
+    from .ops import _backward_cuda, _on_stream
+
+    dt = getattr(torch, spec.dtype)
+    b, h, d = 16384 // seqlen, 2048 // spec.head_dim, spec.head_dim
+    q, k, v, do = (torch.randn(b, h, seqlen, d, device="cuda", dtype=dt) for _ in range(4))
+    o, dq, dk, dv = (torch.empty_like(q) for _ in range(4))
+    lse = torch.empty(b, h, seqlen, device="cuda", dtype=torch.float32)
+
+    def call():
+        if backward:
+            _backward_cuda(kern, do, q, k, v, o, lse, None, (), d ** -0.5, False, dq, dk, dv)
+        else:
+            kern["forward"](q, k, v, o, lse, d ** -0.5)
+
+    with _on_stream(q.device):
+        kern["forward"](q, k, v, o, lse, d ** -0.5)
+        for _ in range(3):
+            call()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            call()
+        end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 20
 
 
 def record(out_dir: Path) -> None:
@@ -129,7 +149,7 @@ def record(out_dir: Path) -> None:
             best[key] = r
     for (name, phase), r in sorted(best.items()):
         records[name] = {**records.get(name, {}), **r["knobs"]}
-        print(f"{name} {phase}: {r['knobs']} {r['tflops']:.0f} TFLOP/s")
+        print(f"{name} {phase}: {r['knobs']} {r['tflops']} TFLOP/s")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(records, indent=1, sort_keys=True) + "\n")
 
