@@ -13,7 +13,8 @@ layout, see `cuda_wgmma`). Per q-block, with keys as the M dimension:
     dS^T = P^T (dP^T - delta)      registers, then dK += dS^T Q (register-A wgmma)
     dQ += dS K                     dS^T goes to shared memory; each warpgroup computes
                                    D / warpgroups columns of dQ over all the CTA's keys and adds
-                                   them to the fp32 accumulator with `red.global.add.v2.f32`.
+                                   them to the fp32 accumulator, staged in shared memory, with
+                                   one bulk reduction (`cp.reduce.async.bulk .add.f32`) per row.
 
 Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/knobs.json):
     bwd_wgmma             1: this kernel where `supports` says so; 0: the mma.sync kernel
@@ -83,6 +84,8 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         kr = T.meta_var(tid // 32 * 16)            # this warp's key rows in the tile
         pool = T.alloc_buffer((POOL,), dt, scope="shared.dyn", align=ATOM_BYTES)
         stats = T.alloc_buffer((2, 2, BM), F32, scope="shared", align=16)  # [slot][lse2|delta][q]
+        # dQ staging per warpgroup, rows padded by 4 floats (16-byte rows, fewer bank conflicts)
+        stage = T.alloc_buffer((NWG, BM, DQN + 4), F32, scope="shared", align=16)
         desc_kmaj = T.alloc_local([1], "uint64")   # K-major operands (K, V as A; Q, dO as B)
         desc_q_mn = T.alloc_local([1], "uint64")   # MN-major BM-row tiles (Q, dO as B; dS^T as A)
         desc_k_mn = T.alloc_local([1], "uint64")   # MN-major BN-row tiles (K as B of dQ)
@@ -217,19 +220,33 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
                 T.ptx.wgmma.commit_group.sync.aligned()
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 fence_registers(dp, DQN // 2)
+                # the dQ tile goes through shared memory and is added to the accumulator by one
+                # bulk reduction per row (far fewer L2 operations than per-thread atomics)
+                if tid % 128 < 64:  # the previous step's reductions have read the staging tile
+                    T.ptx["cp.async.bulk.wait_group.read"](0)
+                T.ptx["bar.sync"](T.Cast("uint32", 1 + wg), T.uint32(128))  # this warpgroup only
                 for nt in T.unroll(DQN // 8):
                     for hh in T.unroll(2):
-                        row = T.meta_var(q0 + (tid % 128) // 32 * 16 + lane // 4 + hh * 8)
-                        if row < LQ:
-                            T.ptx["red.global.add.v2.f32"](
-                                DQ_ACC.ptr_to([b, h, row, wg * DQN + nt * 8 + lane % 4 * 2]),
-                                dp[nt * 4 + hh * 2], dp[nt * 4 + hh * 2 + 1])
+                        for e in T.unroll(2):
+                            stage[wg, (tid % 128) // 32 * 16 + lane // 4 + hh * 8, nt * 8 + lane % 4 * 2 + e] = \
+                                dp[nt * 4 + hh * 2 + e]
+                T.ptx.fence.proxy.async_.shared__cta()
+                T.ptx["bar.sync"](T.Cast("uint32", 1 + wg), T.uint32(128))
+                if tid % 128 < 64:
+                    if q0 + tid % 128 < LQ:
+                        T.ptx["cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"](
+                            DQ_ACC.ptr_to([b, h, q0 + tid % 128, wg * DQN]), stage.ptr_to([wg, tid % 128, 0]),
+                            T.uint32(DQN * 4))
+                    T.ptx["cp.async.bulk.commit_group"]()
             else:
                 T.ptx.wgmma.wait_group.sync.aligned(0)
             fence_registers(dk, ND * 4)
             fence_registers(dv, ND * 4)
             cur[0] = nxt[0]
             cur[1] = nxt[1]
+        if with_dq:
+            if tid % 128 < 64:
+                T.ptx["cp.async.bulk.wait_group"](0)
         for dd in T.unroll(ND):
             for hh in T.unroll(2):
                 key = T.meta_var(k0 + kr + lane // 4 + hh * 8)
