@@ -4,10 +4,12 @@ Computes what `cuda_backward.dkdv_kernel` computes; the prep, dQ-convert and det
 kernels stay those of `cuda_backward.py`. Head dims 64 and 128 take this kernel on sm_90a.
 
 Mapping: one CTA per (kv-block of 64 * warpgroups keys, batch * kv-head); each warpgroup owns
-64 keys. K and V stay in shared memory while the 64-query blocks of every query head of the GQA
-group stream past (Q, dO and the row stats double-buffered by `cp.async`, in wgmma's swizzled
-layout, see `cuda_wgmma`). Per q-block, with keys as the M dimension:
-    S^T = K Q^T, dP^T = V dO^T     two smem x smem wgmma, in flight together
+64 keys. K and V stay in shared memory while the q-blocks (64 or 128 queries) of every query
+head of the GQA group stream past (Q, dO and the row stats double-buffered by `cp.async`, in
+wgmma's swizzled layout, see `cuda_wgmma`). Per q-block, with keys as the M dimension:
+    S^T = K Q^T, dP^T = V dO^T     two smem x smem wgmma, in flight together (with 128-query
+                                   blocks dP^T follows P^T in S^T's registers, and dS^T uses
+                                   P^T in 16 bits: the registers would not hold both)
     P^T = exp2(S^T scale log2e - lse2)              registers (as the A operand of:)
     dV += P^T dO                   register-A wgmma, overlapping the dS^T computation
     dS^T = P^T (dP^T - delta)      registers, then dK += dS^T Q (register-A wgmma)
@@ -16,9 +18,11 @@ layout, see `cuda_wgmma`). Per q-block, with keys as the M dimension:
                                    them to the fp32 accumulator, staged in shared memory, with
                                    one bulk reduction (`cp.reduce.async.bulk .add.f32`) per row.
 
-Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/knobs.json):
+Knobs (`default_knobs`; tuned values in tuning_logs/cuda/knobs.json):
     bwd_wgmma             1: this kernel where `supports` says so; 0: the mma.sync kernel
     bwd_wgmma_warpgroups  warpgroups per CTA (keys per CTA = 64 * warpgroups)
+    bwd_wgmma_block_m     queries per streamed q-block (64 or 128; 128 halves the per-step
+                          overhead at small head dims, S^T and dP^T take twice the registers)
 """
 from __future__ import annotations
 
@@ -33,20 +37,29 @@ from .cuda_backward import _check, _declare
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
                          gemm_ss_kmajor, gemm_ss_mnmajor, wgmma_op)
 
-DEFAULTS = {"bwd_wgmma": 1, "bwd_wgmma_warpgroups": 2}
-BM = 64  # queries per streamed q-block: the M of the dQ product
+DEFAULTS = {"bwd_wgmma": 1, "bwd_wgmma_warpgroups": 2, "bwd_wgmma_block_m": 64}
 
 
 def supports(spec: AttentionSpec, arch: str) -> bool:
     return arch == "sm_90a" and spec.head_dim in (64, 128)
 
 
+def default_knobs(spec: AttentionSpec) -> dict:
+    # 128-query blocks fit the registers (without spills) only at D = 64, where they pay most
+    return {**DEFAULTS, "bwd_wgmma_block_m": 128 if spec.head_dim <= 64 else 64}
+
+
 def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFunc:
     _check(spec)
     D, dt = spec.head_dim, spec.dtype
-    NWG = knobs["bwd_wgmma_warpgroups"]
-    if D % 64 or NWG not in (1, 2) or D % (8 * NWG):
-        raise ValueError(f"the wgmma backward needs head_dim % 64 == 0 and 1 or 2 warpgroups, got {spec}, {knobs}")
+    NWG, BM = knobs["bwd_wgmma_warpgroups"], knobs["bwd_wgmma_block_m"]
+    if D % 64 or NWG not in (1, 2) or D % (8 * NWG) or BM not in (64, 128):
+        raise ValueError(f"the wgmma backward needs head_dim % 64 == 0, 1 or 2 warpgroups and block_m 64 or 128, "
+                         f"got {spec}, {knobs}")
+    MT = BM // 64          # 64-query m-tiles of the dQ product
+    # 128 queries: registers are short, so dP^T reuses S^T's (computed after P^T, not alongside
+    # S^T) and dS^T P^T's (after dV += P^T dO), from P^T in 16 bits
+    LOW_REG = BM > 64
     BN = 64 * NWG
     NT = 128 * NWG
     NQ8 = BM // 8          # n8 tiles of a warpgroup's S^T (64 keys x BM queries)
@@ -58,7 +71,7 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
     Q_OFF = 2 * BN * D
     DO_OFF = Q_OFF + 2 * BM * D
     DS_OFF = DO_OFF + 2 * BM * D
-    POOL = DS_OFF + BN * BM
+    POOL = DS_OFF + BN * BM  # dS^T: MT column blocks of BN keys x 64 queries
 
     shape = Shape.fresh()
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
@@ -89,10 +102,12 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         desc_kmaj = T.alloc_local([1], "uint64")   # K-major operands (K, V as A; Q, dO as B)
         desc_q_mn = T.alloc_local([1], "uint64")   # MN-major BM-row tiles (Q, dO as B; dS^T as A)
         desc_k_mn = T.alloc_local([1], "uint64")   # MN-major BN-row tiles (K as B of dQ)
-        s = T.alloc_local([NQ8 * 4], F32)
-        dp = T.alloc_local([max(NQ8 * 4, DQN // 2)], F32)  # dP^T, then the dQ accumulator
+        s = T.alloc_local([max(NQ8 * 4, MT * DQN // 2)], F32)
+        dp_own = T.alloc_local([1 if LOW_REG else max(NQ8 * 4, MT * DQN // 2)], F32)
+        dp = T.meta_var(s if LOW_REG else dp_own)  # dP^T, then the dQ accumulator
         p = T.alloc_local([NQ8 * 4], dt)
-        ds = T.alloc_local([NQ8 * 4], dt)
+        ds_own = T.alloc_local([1 if LOW_REG else NQ8 * 4], dt)
+        ds = T.meta_var(p if LOW_REG else ds_own)
         dk = T.alloc_local([ND * 4], F32)
         dv = T.alloc_local([ND * 4], F32)
         pw = p.view("uint32")
@@ -179,9 +194,10 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             T.ptx.wgmma.fence.sync.aligned()
             gemm_ss_kmajor(OP_S, s, NQ8 * 4, desc_kmaj, K_OFF + wg * 64 * 64, BN, q_tile, BM, D)
             T.ptx.wgmma.commit_group.sync.aligned()
-            gemm_ss_kmajor(OP_S, dp, NQ8 * 4, desc_kmaj, V_OFF + wg * 64 * 64, BN, do_tile, BM, D)
-            T.ptx.wgmma.commit_group.sync.aligned()
-            T.ptx.wgmma.wait_group.sync.aligned(1)
+            if not LOW_REG:
+                gemm_ss_kmajor(OP_S, dp, NQ8 * 4, desc_kmaj, V_OFF + wg * 64 * 64, BN, do_tile, BM, D)
+                T.ptx.wgmma.commit_group.sync.aligned()
+            T.ptx.wgmma.wait_group.sync.aligned(0 if LOW_REG else 1)
             fence_registers(s, NQ8 * 4)
             if score.tile_unmasked(q0, q0 + BM, k0, k0 + BN):
                 probabilities(h, q0, slot, False)
@@ -192,20 +208,25 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             T.ptx.wgmma.fence.sync.aligned()
             gemm_rs_mnmajor(OP_KV, dv, ND * 4, pw, 0, desc_q_mn, do_tile, BM)
             T.ptx.wgmma.commit_group.sync.aligned()
-            T.ptx.wgmma.wait_group.sync.aligned(1)
+            if LOW_REG:
+                gemm_ss_kmajor(OP_S, dp, NQ8 * 4, desc_kmaj, V_OFF + wg * 64 * 64, BN, do_tile, BM, D)
+                T.ptx.wgmma.commit_group.sync.aligned()
+            T.ptx.wgmma.wait_group.sync.aligned(0 if LOW_REG else 1)
             fence_registers(dp, NQ8 * 4)
             # dS^T = P^T (dP^T - delta); dK += dS^T Q (x scale at the end)
             for nt in T.unroll(NQ8):
                 for i in T.unroll(4):
                     idx = T.meta_var(nt * 4 + i)
-                    ds[idx] = T.Cast(dt, s[idx] * (dp[idx] - stats[slot, 1, nt * 8 + lane % 4 * 2 + i % 2]))
+                    prob = T.meta_var(T.Cast(F32, p[idx]) if LOW_REG else s[idx])
+                    ds[idx] = T.Cast(dt, prob * (dp[idx] - stats[slot, 1, nt * 8 + lane % 4 * 2 + i % 2]))
             if with_dq:
                 # dS^T to shared memory (one swizzled column block, keys as rows) for dQ; before
                 # the dK product reads the same registers asynchronously
                 for nt in T.unroll(NQ8):
                     for hh in T.unroll(2):
                         key = T.meta_var(kr + lane // 4 + hh * 8)
-                        pool_w[(DS_OFF + key * 64 + T.bitwise_xor(nt, key % 8) * 8 + lane % 4 * 2) // 2] = dsw[nt * 2 + hh]
+                        pool_w[(DS_OFF + nt // 8 * (BN * 64) + key * 64 + T.bitwise_xor(nt % 8, key % 8) * 8
+                                + lane % 4 * 2) // 2] = dsw[nt * 2 + hh]
             fence_registers(dsw, NQ8 * 2)
             T.ptx.wgmma.fence.sync.aligned()
             gemm_rs_mnmajor(OP_KV, dk, ND * 4, dsw, 0, desc_q_mn, q_tile, BM)
@@ -215,24 +236,26 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
                 T.ptx.fence.proxy.async_.shared__cta()
                 T.cuda.cta_sync()
                 T.ptx.wgmma.fence.sync.aligned()
-                gemm_ss_mnmajor(OP_DQ, dp, DQN // 2, desc_q_mn, DS_OFF, desc_k_mn,
-                                K_OFF + wg * DQN // 64 * (BN * 64) + wg * DQN % 64, BN)
+                for mt in T.unroll(MT):
+                    gemm_ss_mnmajor(OP_DQ, dp, mt * DQN // 2, DQN // 2, desc_q_mn, DS_OFF + mt * BN * 64, desc_k_mn,
+                                    K_OFF + wg * DQN // 64 * (BN * 64) + wg * DQN % 64, BN)
                 T.ptx.wgmma.commit_group.sync.aligned()
                 T.ptx.wgmma.wait_group.sync.aligned(0)
-                fence_registers(dp, DQN // 2)
+                fence_registers(dp, MT * DQN // 2)
                 # the dQ tile goes through shared memory and is added to the accumulator by one
                 # bulk reduction per row (far fewer L2 operations than per-thread atomics)
-                if tid % 128 < 64:  # the previous step's reductions have read the staging tile
+                if tid % 128 < BM:  # the previous step's reductions have read the staging tile
                     T.ptx["cp.async.bulk.wait_group.read"](0)
                 T.ptx["bar.sync"](T.Cast("uint32", 1 + wg), T.uint32(128))  # this warpgroup only
-                for nt in T.unroll(DQN // 8):
-                    for hh in T.unroll(2):
-                        for e in T.unroll(2):
-                            stage[wg, (tid % 128) // 32 * 16 + lane // 4 + hh * 8, nt * 8 + lane % 4 * 2 + e] = \
-                                dp[nt * 4 + hh * 2 + e]
+                for mt in T.unroll(MT):
+                    for nt in T.unroll(DQN // 8):
+                        for hh in T.unroll(2):
+                            for e in T.unroll(2):
+                                stage[wg, mt * 64 + (tid % 128) // 32 * 16 + lane // 4 + hh * 8, nt * 8 + lane % 4 * 2 + e] = \
+                                    dp[(mt * DQN // 8 + nt) * 4 + hh * 2 + e]
                 T.ptx.fence.proxy.async_.shared__cta()
                 T.ptx["bar.sync"](T.Cast("uint32", 1 + wg), T.uint32(128))
-                if tid % 128 < 64:
+                if tid % 128 < BM:
                     if q0 + tid % 128 < LQ:
                         T.ptx["cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"](
                             DQ_ACC.ptr_to([b, h, q0 + tid % 128, wg * DQN]), stage.ptr_to([wg, tid % 128, 0]),
@@ -245,7 +268,7 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             cur[0] = nxt[0]
             cur[1] = nxt[1]
         if with_dq:
-            if tid % 128 < 64:
+            if tid % 128 < BM:
                 T.ptx["cp.async.bulk.wait_group"](0)
         for dd in T.unroll(ND):
             for hh in T.unroll(2):

@@ -100,9 +100,9 @@ def fence_registers(acc, n_acc):
 
 
 @T.inline
-def gemm_ss_mnmajor(op, acc, n_acc, desc_a, a_base, desc_b, b_base, k_rows):
-    """acc (64 x N) = A . B with both operands MN-major tiles of k_rows rows (A: the tile at
-    a_base holds A^T, 64 columns; B: the tile at b_base holds B, N columns)."""
+def gemm_ss_mnmajor(op, acc, acc0, n_acc, desc_a, a_base, desc_b, b_base, k_rows):
+    """acc[acc0:] (64 x N) = A . B with both operands MN-major tiles of k_rows rows (A: the tile
+    at a_base holds A^T, 64 columns; B: the tile at b_base holds B, N columns)."""
     for kk in T.unroll(k_rows // 16):
-        T.ptx[op](*[acc[i] for i in range(n_acc)], desc_at(desc_a, a_base + kk * 16 * 64),
+        T.ptx[op](*[acc[acc0 + i] for i in range(n_acc)], desc_at(desc_a, a_base + kk * 16 * 64),
                   desc_at(desc_b, b_base + kk * 16 * 64), kk > 0, 1, 1, 1, 1)

@@ -21,7 +21,8 @@ def test_hopper_candidates_are_the_wgmma_knobs_that_fit():
         assert len(cands) == count and all(c["forward_wgmma"] == 1 for c in cands)
         assert all((64 * c["wgmma_warpgroups"] + 4 * c["wgmma_block_n"]) * d * 2 <= tune_cuda.SMEM_LIMIT for c in cands)
     assert tune_cuda.candidates(AttentionSpec("float16", 128), "backward") == [
-        {"bwd_wgmma": 1, "bwd_wgmma_warpgroups": 1}, {"bwd_wgmma": 1, "bwd_wgmma_warpgroups": 2}]
+        {"bwd_wgmma": 1, "bwd_wgmma_warpgroups": wg, "bwd_wgmma_block_m": 64} for wg in (1, 2)]
+    assert len(tune_cuda.candidates(AttentionSpec("float16", 64), "backward")) == 4  # block_m 128 too
 
 
 def test_record_keeps_the_fastest_candidate_per_spec(tmp_path, monkeypatch):

@@ -164,7 +164,7 @@ def cuda_default_knobs(spec: AttentionSpec) -> dict:
     from .schedules import cuda_backward, cuda_backward_wgmma, cuda_forward, cuda_forward_wgmma
 
     return {**cuda_forward.default_knobs(spec), **cuda_forward_wgmma.default_knobs(spec),
-            **cuda_backward.default_knobs(spec), **cuda_backward_wgmma.DEFAULTS}
+            **cuda_backward.default_knobs(spec), **cuda_backward_wgmma.default_knobs(spec)}
 
 
 def cuda_kernels(spec: AttentionSpec, arch: str, knobs: dict | None = None) -> dict:

@@ -49,7 +49,8 @@ def candidates(spec: AttentionSpec, phase: str = "forward", arch: str = "sm_90a"
                 out.append({"block_m": bm, "block_n": bn, "q_in_registers": q_regs, "warp_m_tiles": mt,
                             "stages": st})
     elif cuda_backward_wgmma.supports(spec, arch):
-        out = [{"bwd_wgmma": 1, "bwd_wgmma_warpgroups": wg} for wg in (1, 2)]
+        out = [{"bwd_wgmma": 1, "bwd_wgmma_warpgroups": wg, "bwd_wgmma_block_m": bm}
+               for wg, bm in itertools.product((1, 2), (64, 128)) if bm == 64 or d <= 64]
     else:
         for bn, bm, stages, split in itertools.product((64, 128), (32, 64), (2, 3), (1, 2)):
             # split: two CTAs per kv-block share the gradient columns (for large head dims)
