@@ -38,8 +38,8 @@ from tvmflash.kernels.common import F32, LOG2E, NEG_INF, KernelArgs, Shape
 from tvmflash.kernels.score_mods import ScoreIndex, ScorePipeline
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (PAD, copy_rows, load_a_trans, mma_op, smem_scope, warp_gemm_nt,
-                       warp_gemm_rn)
+from .cuda_mma import (PAD, copy_row_stats, copy_rows, load_a_trans, mma_op, smem_scope,
+                       transposed_probabilities, warp_gemm_nt, warp_gemm_rn)
 
 DEFAULTS = {"bwd_block_n": 128, "bwd_block_m": 64, "bwd_stages": 3, "bwd_dq_chunk": 32, "bwd_d_split": 1,
             "dq_block_m": 64, "dq_block_n": 64}
@@ -219,7 +219,6 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics:
         acc = T.alloc_local([DQ_CHUNK // 2], F32)
         pw = p.view("uint32")
         ds_w = ds_t.view("uint32")
-        scale_log2 = T.meta_var(scale * T.float32(LOG2E))
         qb_lo, qb_hi = T.meta_var(score.q_blocks(k0, T.min(k0 + BN, LK), BM))
         NQB = T.meta_var(qb_hi - qb_lo)
         NJ = T.meta_var(G * NQB)
@@ -235,18 +234,7 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics:
             q0 = T.meta_var(step_q0(st))
             copy_rows(pool, Q_ROW + buf * BM, Q, b, h, q0, BM, LQ, D, tid, NT)
             copy_rows(pool, DO_ROW + buf * BM, DO, b, h, q0, BM, LQ, D, tid, NT)
-            for it in T.unroll((2 * BM + NT - 1) // NT):
-                c = T.meta_var(tid + it * NT)
-                row = T.meta_var(q0 + c % BM)
-                if 2 * BM % NT == 0 or c < 2 * BM:
-                    if c < BM:
-                        T.ptx["cp.async.ca.shared.global"](
-                            stats.ptr_to([buf, 0, c % BM]), LSE2.ptr_to([b, h, T.min(row, LQ - 1)]),
-                            4, T.Select(row < LQ, T.uint32(4), T.uint32(0)))
-                    else:
-                        T.ptx["cp.async.ca.shared.global"](
-                            stats.ptr_to([buf, 1, c % BM]), DELTA.ptr_to([b, h, T.min(row, LQ - 1)]),
-                            4, T.Select(row < LQ, T.uint32(4), T.uint32(0)))
+            copy_row_stats(stats, buf, LSE2, DELTA, b, h, q0, BM, LQ, tid, NT)
 
         @T.inline
         def transposed_scores(acc, a_row, b_row):
@@ -254,21 +242,6 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics:
             for i in T.unroll(NQ8 * 4):
                 acc[i] = T.float32(0)
             warp_gemm_nt(MMA, acc, af, bf, pool, a_row + kr, b_row, BM // 16, D // 16, lane)
-
-        @T.inline
-        def probabilities(h, q0, buf, masked):
-            # s: scores -> P^T (fp32) and p (input dtype); rows are keys, columns queries
-            for nt in T.unroll(NQ8):
-                for hh in T.unroll(2):
-                    for e in T.unroll(2):
-                        idx = T.meta_var(nt * 4 + hh * 2 + e)
-                        qc = T.meta_var(nt * 8 + lane % 4 * 2 + e)
-                        ix = T.meta_var(ScoreIndex(b, h, q0 + qc, k0 + kr + lane // 4 + hh * 8))
-                        if masked or score.changes_values:
-                            s[idx] = T.exp2(score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - stats[buf, 0, qc])
-                        else:
-                            s[idx] = T.exp2(s[idx] * scale_log2 - stats[buf, 0, qc])
-                        p[idx] = T.Cast(dt, s[idx])
 
         @T.inline
         def dq_update(dbuf, h, q0):
@@ -327,9 +300,9 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics:
             do_tile = T.meta_var(DO_ROW + buf * BM)
             transposed_scores(s, K_ROW, q_tile)
             if score.tile_unmasked(q0, q0 + BM, k0, k0 + BN):
-                probabilities(h, q0, buf, False)
+                transposed_probabilities(s, p, stats, buf, NQ8, score, scale, b, h, q0, k0 + kr, lane, False)
             else:
-                probabilities(h, q0, buf, True)
+                transposed_probabilities(s, p, stats, buf, NQ8, score, scale, b, h, q0, k0 + kr, lane, True)
             warp_gemm_rn(MMA, dv, pw, bf, pool, do_tile, d0, DH // 16, BM // 16, lane)  # dV += P^T dO
             transposed_scores(dp, V_ROW, do_tile)              # dP^T = V dO^T
             for nt in T.unroll(NQ8):                           # dS^T = P^T (dP^T - delta)

@@ -29,11 +29,11 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.kernels.common import F32, LOG2E, Shape
-from tvmflash.kernels.score_mods import ScoreIndex
+from tvmflash.kernels.common import F32, Shape
 from tvmflash.spec import AttentionSpec
 
 from .cuda_backward import _check, _declare
+from .cuda_mma import copy_row_stats, transposed_probabilities
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
                          gemm_ss_kmajor, gemm_ss_mnmajor, wgmma_op)
 
@@ -113,7 +113,6 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         pw = p.view("uint32")
         dsw = ds.view("uint32")
         pool_w = pool.view("uint32")
-        scale_log2 = T.meta_var(scale * T.float32(LOG2E))
         qb_lo, qb_hi = T.meta_var(score.q_blocks(k0, T.min(k0 + BN, LK), BM))
         NQB = T.meta_var(qb_hi - qb_lo)
         NJ = T.meta_var(G * NQB)
@@ -129,33 +128,7 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             q0 = T.meta_var(step_q0(st))
             copy_rows_sw128(pool, Q_OFF + slot * BM * D, Q, b, h, q0, BM, LQ, D, tid, NT)
             copy_rows_sw128(pool, DO_OFF + slot * BM * D, DO, b, h, q0, BM, LQ, D, tid, NT)
-            for it in T.unroll((2 * BM + NT - 1) // NT):
-                c = T.meta_var(tid + it * NT)
-                row = T.meta_var(q0 + c % BM)
-                if 2 * BM % NT == 0 or c < 2 * BM:
-                    if c < BM:
-                        T.ptx["cp.async.ca.shared.global"](
-                            stats.ptr_to([slot, 0, c % BM]), LSE2.ptr_to([b, h, T.min(row, LQ - 1)]),
-                            4, T.Select(row < LQ, T.uint32(4), T.uint32(0)))
-                    else:
-                        T.ptx["cp.async.ca.shared.global"](
-                            stats.ptr_to([slot, 1, c % BM]), DELTA.ptr_to([b, h, T.min(row, LQ - 1)]),
-                            4, T.Select(row < LQ, T.uint32(4), T.uint32(0)))
-
-        @T.inline
-        def probabilities(h, q0, slot, masked):
-            # s: scores -> P^T (fp32) and p (input dtype); rows are keys, columns queries
-            for nt in T.unroll(NQ8):
-                for hh in T.unroll(2):
-                    for e in T.unroll(2):
-                        idx = T.meta_var(nt * 4 + hh * 2 + e)
-                        qc = T.meta_var(nt * 8 + lane % 4 * 2 + e)
-                        ix = T.meta_var(ScoreIndex(b, h, q0 + qc, k0 + kr + lane // 4 + hh * 8))
-                        if masked or score.changes_values:
-                            s[idx] = T.exp2(score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - stats[slot, 0, qc])
-                        else:
-                            s[idx] = T.exp2(s[idx] * scale_log2 - stats[slot, 0, qc])
-                        p[idx] = T.Cast(dt, s[idx])
+            copy_row_stats(stats, slot, LSE2, DELTA, b, h, q0, BM, LQ, tid, NT)
 
         @T.inline
         def sync_loads():
@@ -200,9 +173,9 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             T.ptx.wgmma.wait_group.sync.aligned(0 if LOW_REG else 1)
             fence_registers(s, NQ8 * 4)
             if score.tile_unmasked(q0, q0 + BM, k0, k0 + BN):
-                probabilities(h, q0, slot, False)
+                transposed_probabilities(s, p, stats, slot, NQ8, score, scale, b, h, q0, k0 + kr, lane, False)
             else:
-                probabilities(h, q0, slot, True)
+                transposed_probabilities(s, p, stats, slot, NQ8, score, scale, b, h, q0, k0 + kr, lane, True)
             # dV += P^T dO
             fence_registers(pw, NQ8 * 2)
             T.ptx.wgmma.fence.sync.aligned()

@@ -179,3 +179,38 @@ def store_output(O, LSE, o, m, l, n_mt, nd, b, h, q_row0, seqlen_q, lane):
                 if lane % 4 == 0:
                     LSE[b, h, row] = T.Select(l[mt * 2 + hh] > T.float32(0),
                                               m[mt * 2 + hh] * T.float32(LN2) + T.log(l[mt * 2 + hh]), NEG_INF)
+
+
+@T.inline
+def copy_row_stats(stats, slot, lse2, delta, b, h, q0, nrows, limit, tid, nthreads):
+    """lse2 and delta of query rows q0.. into stats[slot, 0 | 1, :nrows] with 4-byte
+    `cp.async` (rows at or past `limit` zero-filled)."""
+    for it in T.unroll((2 * nrows + nthreads - 1) // nthreads):
+        c = T.meta_var(tid + it * nthreads)
+        row = T.meta_var(q0 + c % nrows)
+        if 2 * nrows % nthreads == 0 or c < 2 * nrows:
+            if c < nrows:
+                T.ptx["cp.async.ca.shared.global"](
+                    stats.ptr_to([slot, 0, c % nrows]), lse2.ptr_to([b, h, T.min(row, limit - 1)]),
+                    4, T.Select(row < limit, T.uint32(4), T.uint32(0)))
+            else:
+                T.ptx["cp.async.ca.shared.global"](
+                    stats.ptr_to([slot, 1, c % nrows]), delta.ptr_to([b, h, T.min(row, limit - 1)]),
+                    4, T.Select(row < limit, T.uint32(4), T.uint32(0)))
+
+
+@T.inline
+def transposed_probabilities(s, p, stats, slot, nq8, score, scale, b, h, q0, key0, lane, masked):
+    """Scores S^T in s (rows keys from key0, nq8 n8 tiles of queries from q0) -> P^T =
+    exp2(S^T scale log2e - lse2[query]) in s (fp32) and p (its 16-bit type)."""
+    for nt in T.unroll(nq8):
+        for hh in T.unroll(2):
+            for e in T.unroll(2):
+                idx = T.meta_var(nt * 4 + hh * 2 + e)
+                qc = T.meta_var(nt * 8 + lane % 4 * 2 + e)
+                ix = T.meta_var(ScoreIndex(b, h, q0 + qc, key0 + lane // 4 + hh * 8))
+                if masked or score.changes_values:
+                    s[idx] = T.exp2(score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - stats[slot, 0, qc])
+                else:
+                    s[idx] = T.exp2(s[idx] * (scale * T.float32(LOG2E)) - stats[slot, 0, qc])
+                p[idx] = T.Cast(p.dtype, s[idx])
