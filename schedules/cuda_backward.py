@@ -38,8 +38,8 @@ from tvmflash.kernels.common import F32, LOG2E, NEG_INF, KernelArgs, Shape
 from tvmflash.kernels.score_mods import ScoreIndex, ScorePipeline
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (PAD, copy_row_stats, copy_rows, load_a_trans, mma_op, smem_scope,
-                       transposed_probabilities, warp_gemm_nt, warp_gemm_rn)
+from .cuda_mma import (PAD, QStepWalk, advance, batch_and_head, copy_row_stats, copy_rows, load_a_trans,
+                       mma_op, smem_scope, transposed_probabilities, warp_gemm_nt, warp_gemm_rn)
 
 DEFAULTS = {"bwd_block_n": 128, "bwd_block_m": 64, "bwd_stages": 3, "bwd_dq_chunk": 32, "bwd_d_split": 1,
             "dq_block_m": 64, "dq_block_n": 64}
@@ -97,8 +97,7 @@ def backward_prep_kernel(spec: AttentionSpec) -> tirx.PrimFunc:
         T.device_entry()
         bx, bh = T.cta_id([T.Cast("int32", (LQ + ROWS_PER_CTA - 1) // ROWS_PER_CTA), T.Cast("int32", B * H)])
         tid = T.thread_id([ROWS_PER_CTA * 32])
-        b = T.meta_var(T.Cast("int64", bh) // H)
-        h = T.meta_var(T.Cast("int64", bh) % H)
+        b, h = T.meta_var(batch_and_head(bh, H))
         lane = T.meta_var(tid % 32)
         row = T.meta_var(T.Cast("int64", bx) * ROWS_PER_CTA + tid // 32)
         acc = T.alloc_local([1], F32)
@@ -134,8 +133,7 @@ def dq_convert_kernel(spec: AttentionSpec) -> tirx.PrimFunc:
         T.device_entry()
         bx, bh = T.cta_id([T.Cast("int32", (LQ + ROWS_PER_CTA - 1) // ROWS_PER_CTA), T.Cast("int32", B * H)])
         tid = T.thread_id([ROWS_PER_CTA * 32])
-        b = T.meta_var(T.Cast("int64", bh) // H)
-        h = T.meta_var(T.Cast("int64", bh) % H)
+        b, h = T.meta_var(batch_and_head(bh, H))
         row = T.meta_var(T.Cast("int64", bx) * ROWS_PER_CTA + tid // 32)
         if row < LQ:
             for i in T.unroll((D + 31) // 32):
@@ -196,8 +194,7 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics:
         T.device_entry()
         bx, bh = T.cta_id([T.Cast("int32", (LK + BN - 1) // BN * DS), T.Cast("int32", B * HK)])
         tid = T.thread_id([NT])
-        b = T.meta_var(T.Cast("int64", bh) // HK)
-        hk = T.meta_var(T.Cast("int64", bh) % HK)
+        b, hk = T.meta_var(batch_and_head(bh, HK))
         G = T.meta_var(H // HK)
         warp = T.meta_var(tid // 32)
         lane = T.meta_var(tid % 32)
@@ -219,19 +216,15 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics:
         acc = T.alloc_local([DQ_CHUNK // 2], F32)
         pw = p.view("uint32")
         ds_w = ds_t.view("uint32")
-        qb_lo, qb_hi = T.meta_var(score.q_blocks(k0, T.min(k0 + BN, LK), BM))
-        NQB = T.meta_var(qb_hi - qb_lo)
-        NJ = T.meta_var(G * NQB)
-        # the step's (group head, q-block) and the next one's, advanced without divisions
-        cur = T.alloc_local([2], "int64")
+        walk = T.meta_var(QStepWalk(score, k0, T.min(k0 + BN, LK), BM, hk, G))
+        NJ = T.meta_var(walk.count)
+        cur = T.alloc_local([2], "int64")  # this step and the next one
         nxt = T.alloc_local([2], "int64")
-        step_h = T.meta_var(lambda st: hk * G + st[0])
-        step_q0 = T.meta_var(lambda st: (qb_lo + st[1]) * BM)
 
         @T.inline
         def load_step(st, buf):
-            h = T.meta_var(step_h(st))
-            q0 = T.meta_var(step_q0(st))
+            h = T.meta_var(walk.head(st))
+            q0 = T.meta_var(walk.q0(st))
             copy_rows(pool, Q_ROW + buf * BM, Q, b, h, q0, BM, LQ, D, tid, NT)
             copy_rows(pool, DO_ROW + buf * BM, DO, b, h, q0, BM, LQ, D, tid, NT)
             copy_row_stats(stats, buf, LSE2, DELTA, b, h, q0, BM, LQ, tid, NT)
@@ -284,10 +277,9 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics:
 
         for j in T.serial(NJ):
             buf = T.meta_var(j % STAGES)
-            h = T.meta_var(step_h(cur))
-            q0 = T.meta_var(step_q0(cur))
-            nxt[0] = T.Select(cur[1] + 1 < NQB, cur[0], cur[0] + 1)
-            nxt[1] = T.Select(cur[1] + 1 < NQB, cur[1] + 1, T.int64(0))
+            h = T.meta_var(walk.head(cur))
+            q0 = T.meta_var(walk.q0(cur))
+            advance(walk, cur, nxt)
             if j + 1 < NJ:  # prefetch the next q-block into the other buffer
                 load_step(nxt, (j + 1) % STAGES)
             T.ptx["cp.async.commit_group"]()
@@ -368,8 +360,7 @@ def dq_kernel(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         T.device_entry()
         bx, bh = T.cta_id([T.Cast("int32", (LQ + BM - 1) // BM), T.Cast("int32", B * H)])
         tid = T.thread_id([NT])
-        b = T.meta_var(T.Cast("int64", bh) // H)
-        h = T.meta_var(T.Cast("int64", bh) % H)
+        b, h = T.meta_var(batch_and_head(bh, H))
         hk = T.meta_var(h // (H // HK))
         warp = T.meta_var(tid // 32)
         lane = T.meta_var(tid % 32)

@@ -33,7 +33,7 @@ from tvmflash.kernels.common import F32, Shape
 from tvmflash.spec import AttentionSpec
 
 from .cuda_backward import _check, _declare
-from .cuda_mma import copy_row_stats, transposed_probabilities
+from .cuda_mma import QStepWalk, advance, batch_and_head, copy_row_stats, transposed_probabilities
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
                          gemm_ss_kmajor, gemm_ss_mnmajor, wgmma_op)
 
@@ -88,8 +88,7 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         T.device_entry()
         bx, bh = T.cta_id([T.Cast("int32", (LK + BN - 1) // BN), T.Cast("int32", B * HK)])
         tid = T.thread_id([NT])
-        b = T.meta_var(T.Cast("int64", bh) // HK)
-        hk = T.meta_var(T.Cast("int64", bh) % HK)
+        b, hk = T.meta_var(batch_and_head(bh, HK))
         G = T.meta_var(H // HK)
         lane = T.meta_var(tid % 32)
         wg = T.meta_var(tid // 128)
@@ -113,19 +112,15 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         pw = p.view("uint32")
         dsw = ds.view("uint32")
         pool_w = pool.view("uint32")
-        qb_lo, qb_hi = T.meta_var(score.q_blocks(k0, T.min(k0 + BN, LK), BM))
-        NQB = T.meta_var(qb_hi - qb_lo)
-        NJ = T.meta_var(G * NQB)
-        # the step's (group head, q-block) and the next one's, advanced without divisions
-        cur = T.alloc_local([2], "int64")
+        walk = T.meta_var(QStepWalk(score, k0, T.min(k0 + BN, LK), BM, hk, G))
+        NJ = T.meta_var(walk.count)
+        cur = T.alloc_local([2], "int64")  # this step and the next one
         nxt = T.alloc_local([2], "int64")
-        step_h = T.meta_var(lambda st: hk * G + st[0])
-        step_q0 = T.meta_var(lambda st: (qb_lo + st[1]) * BM)
 
         @T.inline
         def load_step(st, slot):
-            h = T.meta_var(step_h(st))
-            q0 = T.meta_var(step_q0(st))
+            h = T.meta_var(walk.head(st))
+            q0 = T.meta_var(walk.q0(st))
             copy_rows_sw128(pool, Q_OFF + slot * BM * D, Q, b, h, q0, BM, LQ, D, tid, NT)
             copy_rows_sw128(pool, DO_OFF + slot * BM * D, DO, b, h, q0, BM, LQ, D, tid, NT)
             copy_row_stats(stats, slot, LSE2, DELTA, b, h, q0, BM, LQ, tid, NT)
@@ -153,13 +148,12 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
 
         for j in T.serial(NJ):
             slot = T.meta_var(j % 2)
-            h = T.meta_var(step_h(cur))
-            q0 = T.meta_var(step_q0(cur))
+            h = T.meta_var(walk.head(cur))
+            q0 = T.meta_var(walk.q0(cur))
             q_tile = T.meta_var(Q_OFF + slot * BM * D)
             do_tile = T.meta_var(DO_OFF + slot * BM * D)
             sync_loads()
-            nxt[0] = T.Select(cur[1] + 1 < NQB, cur[0], cur[0] + 1)
-            nxt[1] = T.Select(cur[1] + 1 < NQB, cur[1] + 1, T.int64(0))
+            advance(walk, cur, nxt)
             if j + 1 < NJ:  # prefetch the next q-block into the other slot
                 load_step(nxt, (j + 1) % 2)
             T.ptx["cp.async.commit_group"]()

@@ -30,8 +30,8 @@ from tvmflash.kernels.common import F32, Shape
 from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (PAD, copy_rows, load_a, load_b, load_b_trans, mma_16x16, mma_op, rescale_rows, smem_scope,
-                       softmax_tile, store_output, to_a_fragments)
+from .cuda_mma import (PAD, batch_and_head, copy_rows, load_a, load_b, load_b_trans, mma_16x16, mma_op,
+                       rescale_rows, smem_scope, softmax_tile, store_output, to_a_fragments)
 
 DEFAULTS = {"block_m": 128, "block_n": 64, "q_in_registers": 1, "warp_m_tiles": 1, "stages": 2}
 
@@ -80,8 +80,7 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         T.device_entry()
         bx, bh = T.cta_id([T.Cast("int32", (LQ + BM - 1) // BM), T.Cast("int32", B * H)])
         tid = T.thread_id([NT])
-        b = T.meta_var(T.Cast("int64", bh) // H)
-        h = T.meta_var(T.Cast("int64", bh) % H)
+        b, h = T.meta_var(batch_and_head(bh, H))
         hk = T.meta_var(h // (H // HK))
         warp = T.meta_var(tid // 32)
         lane = T.meta_var(tid % 32)

@@ -26,7 +26,7 @@ from tvmflash.kernels.common import F32, Shape
 from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import rescale_rows, softmax_tile, store_output, to_a_fragments
+from .cuda_mma import batch_and_head, rescale_rows, softmax_tile, store_output, to_a_fragments
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
                          gemm_ss_kmajor, wgmma_op)
 
@@ -69,8 +69,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         T.device_entry()
         bx, bh = T.cta_id([T.Cast("int32", (LQ + BM - 1) // BM), T.Cast("int32", B * H)])
         tid = T.thread_id([NT])
-        b = T.meta_var(T.Cast("int64", bh) // H)
-        h = T.meta_var(T.Cast("int64", bh) % H)
+        b, h = T.meta_var(batch_and_head(bh, H))
         hk = T.meta_var(h // (H // HK))
         lane = T.meta_var(tid % 32)
         wg = T.meta_var(tid // 128)

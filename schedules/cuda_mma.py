@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmflash.kernels.common import LOG2E, NEG_INF
@@ -33,6 +34,36 @@ def mma_op(dtype: str) -> str:
 def smem_scope(nbytes: int) -> str:
     """Static shared memory up to 48 KB, else the (single) dynamic allocation."""
     return "shared" if nbytes <= 48 * 1024 else "shared.dyn"
+
+
+def batch_and_head(bh, heads):
+    """(batch, head), as int64, of a CTA whose grid index `bh` runs over batch x heads."""
+    bh = tirx.Cast("int64", bh)
+    return bh // heads, bh % heads
+
+
+class QStepWalk:
+    """The steps of a kv-block's CTA in the backward: every (head of the GQA group, q-block
+    that sees the keys k0..k1) in order. A step is a 2-element int64 buffer (head in the group,
+    q-block index), advanced by `advance` without divisions."""
+
+    def __init__(self, score, k0, k1, block_m: int, head_k, group):
+        self.qb_lo, qb_hi = score.q_blocks(k0, k1, block_m)
+        self.per_head = qb_hi - self.qb_lo
+        self.count = group * self.per_head
+        self.block_m, self.first_head = block_m, head_k * group
+
+    def head(self, step):
+        return self.first_head + step[0]
+
+    def q0(self, step):
+        return (self.qb_lo + step[1]) * self.block_m
+
+
+@T.inline
+def advance(walk, cur, nxt):
+    nxt[0] = T.Select(cur[1] + 1 < walk.per_head, cur[0], cur[0] + 1)
+    nxt[1] = T.Select(cur[1] + 1 < walk.per_head, cur[1] + 1, T.int64(0))
 
 
 @T.inline
