@@ -104,8 +104,10 @@ def time_candidates(out_dir: Path) -> None:
 
 
 def _flops(spec: AttentionSpec, seqlen: int, backward: bool) -> float:
-    b, h = 16384 // seqlen, 2048 // spec.head_dim
-    return 4 * b * h * seqlen * seqlen * spec.head_dim * (0.5 if spec.causal != "none" else 1) * (2.5 if backward else 1)
+    from .bench import flops_forward
+
+    forward = flops_forward(16384 // seqlen, 2048 // spec.head_dim, seqlen, spec.head_dim, spec.causal != "none")
+    return forward * (2.5 if backward else 1)  # the benchmark's backward convention
 
 
 def _time_one(kern: dict, spec: AttentionSpec, seqlen: int, backward: bool) -> float:
