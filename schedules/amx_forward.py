@@ -25,31 +25,11 @@ from ..spec import AttentionSpec
 from ..kernels.common import F32, NEG_INF, KernelArgs, Shape, fast_exp
 from ..kernels.forward import declare_forward_args
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
-
-BF16 = "bfloat16"
-PAIR = "uint32"  # two bf16 (a VNNI pair) of a tile operand built in the kernel; bf16 scratch
-# buffers would not do: TVM legalises them to fp32
-TILE = 16  # rows of an AMX tile; a row is 64 bytes: 32 bf16 or 16 fp32
+from .amx import BF16, PAIR, amx, configure_tiles, pair_bits, pair_of_floats, tile_gemm
 
 
 def amx_supported(spec: AttentionSpec) -> bool:
     return spec.dtype == BF16 and spec.head_dim % 32 == 0
-
-
-def _u32(value: int):
-    return tirx.const(value, PAIR)
-
-
-def bf16_bits(x):
-    """Bits of fp32 `x` rounded to bf16 (nearest even; finite x), as uint32: what a cast to bf16
-    does, written out because TVM keeps bf16 values as fp32 inside a kernel."""
-    u = tirx.reinterpret(PAIR, x)
-    return (u + _u32(0x7FFF) + ((u >> _u32(16)) & _u32(1))) >> _u32(16)
-
-
-def pair_bits(lo, hi):
-    """Two bf16 values (buffer loads) as one VNNI pair: lo in the low half."""
-    return tirx.Cast(PAIR, tirx.reinterpret("uint16", lo)) | (tirx.Cast(PAIR, tirx.reinterpret("uint16", hi)) << _u32(16))
 
 
 def modified(score: ScorePipeline, s, ix: ScoreIndex):
@@ -58,18 +38,6 @@ def modified(score: ScorePipeline, s, ix: ScoreIndex):
     for mod in score.mods:
         s = mod.apply(s, ix, score.shape)
     return s
-
-
-def _amx(name: str, *args):
-    return tirx.call_llvm_intrin("void", f"llvm.x86.{name}", *args)
-
-
-def _tmm(i: int):
-    return tirx.IntImm("int8", i)
-
-
-def _stride(nbytes):
-    return tirx.Cast("int64", nbytes)
 
 
 def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int) -> tirx.PrimFunc:
@@ -151,13 +119,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                 with T.sblock("tile_config"):
                     T.reads()
                     T.writes(cfg[0:64])
-                    for c in T.serial(64):
-                        cfg[c] = T.uint8(0)
-                    cfg[0] = T.uint8(1)  # palette 1
-                    for n in T.serial(8):  # 8 tiles of 16 rows x 64 bytes
-                        cfg[16 + 2 * n] = T.uint8(64)
-                        cfg[48 + n] = T.uint8(TILE)
-                    T.evaluate(_amx("ldtilecfg", T.address_of(cfg[0])))
+                    configure_tiles(cfg)
                 for i, p in T.grid(BQ, D // 2):
                     with T.sblock("pack_q"):
                         vi, vp = T.axis.remap("SS", [i, p])
@@ -185,31 +147,12 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         ls = T.sblock_alloc_buffer((BQ,), F32)
                         pvT = T.sblock_alloc_buffer((D, BQ), F32)
                         k0 = T.meta_var(vkb * BK)
-                        # S^T block (32 keys x 32 queries) = K rows . Q^T, 2x2 tiles
-                        for jb, ib in T.grid(BK // 32, BQ // 32):
-                            with T.sblock("qk_amx"):
-                                vjb, vib = T.axis.remap("SS", [jb, ib])
-                                T.reads(KP[vb, vhk, k0 + vjb * 32:k0 + vjb * 32 + 32, 0:D],
-                                        qp[0:D // 2, vib * 32:vib * 32 + 32], cfg[0:64])
-                                T.writes(sT[vjb * 32:vjb * 32 + 32, vib * 32:vib * 32 + 32])
-                                for c in T.unroll(4):
-                                    T.evaluate(_amx("tilezero", T.Cast("int8", c)))
-                                for dc in T.serial(D // 32):
-                                    for a in T.unroll(2):
-                                        T.evaluate(_amx("tileloadd64", T.Cast("int8", 4 + a),
-                                                        T.address_of(KP[vb, vhk, k0 + vjb * 32 + a * TILE, dc * 32]),
-                                                        _stride(kp_row)))
-                                        T.evaluate(_amx("tileloadd64", T.Cast("int8", 6 + a),
-                                                        T.address_of(qp[dc * TILE, vib * 32 + a * TILE]),
-                                                        _stride(BQ * 4)))
-                                    T.evaluate(_amx("tdpbf16ps", _tmm(0), _tmm(4), _tmm(6)))
-                                    T.evaluate(_amx("tdpbf16ps", _tmm(1), _tmm(4), _tmm(7)))
-                                    T.evaluate(_amx("tdpbf16ps", _tmm(2), _tmm(5), _tmm(6)))
-                                    T.evaluate(_amx("tdpbf16ps", _tmm(3), _tmm(5), _tmm(7)))
-                                for c in T.unroll(4):
-                                    T.evaluate(_amx("tilestored64", T.Cast("int8", c),
-                                                    T.address_of(sT[vjb * 32 + c // 2 * TILE, vib * 32 + c % 2 * TILE]),
-                                                    _stride(BQ * 4)))
+                        with T.sblock("qk_amx"):  # S^T = K rows . Q^T
+                            T.reads(KP[vb, vhk, k0:k0 + BK, 0:D], qp[0:D // 2, 0:BQ], cfg[0:64])
+                            T.writes(sT[0:BK, 0:BQ])
+                            tile_gemm(lambda r, c: T.address_of(sT[r, c]), BQ * 4,
+                                      lambda r, c: T.address_of(KP[vb, vhk, k0 + r, c]), kp_row,
+                                      lambda r, c: T.address_of(qp[r, c]), BQ * 4, BK, BQ, D, False)
                         for j, i in T.grid(BK, BQ):
                             with T.sblock("score"):
                                 vj, vi = T.axis.remap("SS", [j, i])
@@ -244,32 +187,13 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         for p, i in T.grid(BK // 2, BQ):
                             with T.sblock("pack_p"):
                                 vp, vi = T.axis.remap("SS", [p, i])
-                                pp[vp, vi] = bf16_bits(pT[vp * 2, vi]) | (bf16_bits(pT[vp * 2 + 1, vi]) << T.uint32(16))
-                        # O^T block (32 dims x 32 queries) = V^T . P^T, 2x2 tiles
-                        for db, ib in T.grid(D // 32, BQ // 32):
-                            with T.sblock("pv_amx"):
-                                vdb, vib = T.axis.remap("SS", [db, ib])
-                                T.reads(VT[vb, vhk, vdb * 32:vdb * 32 + 32, k0:k0 + BK],
-                                        pp[0:BK // 2, vib * 32:vib * 32 + 32], cfg[0:64])
-                                T.writes(pvT[vdb * 32:vdb * 32 + 32, vib * 32:vib * 32 + 32])
-                                for c in T.unroll(4):
-                                    T.evaluate(_amx("tilezero", T.Cast("int8", c)))
-                                for jc in T.serial(BK // 32):
-                                    for a in T.unroll(2):
-                                        T.evaluate(_amx("tileloadd64", T.Cast("int8", 4 + a),
-                                                        T.address_of(VT[vb, vhk, vdb * 32 + a * TILE, k0 + jc * 32]),
-                                                        _stride(vt_row)))
-                                        T.evaluate(_amx("tileloadd64", T.Cast("int8", 6 + a),
-                                                        T.address_of(pp[jc * TILE, vib * 32 + a * TILE]),
-                                                        _stride(BQ * 4)))
-                                    T.evaluate(_amx("tdpbf16ps", _tmm(0), _tmm(4), _tmm(6)))
-                                    T.evaluate(_amx("tdpbf16ps", _tmm(1), _tmm(4), _tmm(7)))
-                                    T.evaluate(_amx("tdpbf16ps", _tmm(2), _tmm(5), _tmm(6)))
-                                    T.evaluate(_amx("tdpbf16ps", _tmm(3), _tmm(5), _tmm(7)))
-                                for c in T.unroll(4):
-                                    T.evaluate(_amx("tilestored64", T.Cast("int8", c),
-                                                    T.address_of(pvT[vdb * 32 + c // 2 * TILE, vib * 32 + c % 2 * TILE]),
-                                                    _stride(BQ * 4)))
+                                pp[vp, vi] = pair_of_floats(pT[vp * 2, vi], pT[vp * 2 + 1, vi])
+                        with T.sblock("pv_amx"):  # (P V)^T = V^T . P^T
+                            T.reads(VT[vb, vhk, 0:D, k0:k0 + BK], pp[0:BK // 2, 0:BQ], cfg[0:64])
+                            T.writes(pvT[0:D, 0:BQ])
+                            tile_gemm(lambda r, c: T.address_of(pvT[r, c]), BQ * 4,
+                                      lambda r, c: T.address_of(VT[vb, vhk, r, k0 + c]), vt_row,
+                                      lambda r, c: T.address_of(pp[r, c]), BQ * 4, D, BQ, BK, False)
                         for d in T.serial(D):
                             for i in T.vectorized(BQ):
                                 with T.sblock("acc_update"):
@@ -278,7 +202,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                 with T.sblock("tile_release"):
                     T.reads()
                     T.writes()
-                    T.evaluate(_amx("tilerelease"))
+                    T.evaluate(amx("tilerelease"))
                 for i in T.serial(BQ):
                     with T.sblock("store_lse"):
                         vi = T.axis.remap("S", [i])

@@ -1,0 +1,90 @@
+"""Building blocks of the AMX kernels (`amx_forward.py`, `amx_backward.py`): tile configuration,
+the tile GEMM and bf16 bit packing.
+
+AMX multiplies bf16 tiles into fp32 tiles: C (16 x 16 fp32) += A (16 rows x 32 bf16) . B, where
+B holds 16 rows of VNNI pairs, B[p, n] = (b[2p, n], b[2p + 1, n]) as one 32-bit word. A is a
+plain row-major bf16 matrix; B is the K-dim-paired layout the kernels build in packs. Tile
+numbers are immediates: a 32 x 32 C block is tmm0-3, fed by A tiles tmm4-5 and B tiles tmm6-7.
+"""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+BF16 = "bfloat16"
+PAIR = "uint32"  # two bf16 (a VNNI pair) of a tile operand built in the kernel; bf16 scratch
+# buffers would not do: TVM legalises them to fp32
+TILE = 16  # rows of an AMX tile; a row is 64 bytes: 32 bf16 or 16 fp32
+BLOCK = 32  # C block edge (2 x 2 tiles); every GEMM dimension is a multiple of it
+
+
+def _u32(value: int):
+    return tirx.const(value, PAIR)
+
+
+def bf16_bits(x):
+    """Bits of fp32 `x` rounded to bf16 (nearest even; finite x), as uint32: what a cast to bf16
+    does, written out because TVM keeps bf16 values as fp32 inside a kernel."""
+    u = tirx.reinterpret(PAIR, x)
+    return (u + _u32(0x7FFF) + ((u >> _u32(16)) & _u32(1))) >> _u32(16)
+
+
+def pair_of_floats(lo, hi):
+    """Two fp32 values rounded to bf16, as one VNNI pair: lo in the low half."""
+    return bf16_bits(lo) | (bf16_bits(hi) << _u32(16))
+
+
+def pair_bits(lo, hi):
+    """Two bf16 values (buffer loads) as one VNNI pair: lo in the low half."""
+    return tirx.Cast(PAIR, tirx.reinterpret("uint16", lo)) | (tirx.Cast(PAIR, tirx.reinterpret("uint16", hi)) << _u32(16))
+
+
+def amx(name: str, *args):
+    return tirx.call_llvm_intrin("void", f"llvm.x86.{name}", *args)
+
+
+def tmm(i):
+    return tirx.Cast("int8", i) if not isinstance(i, int) else tirx.IntImm("int8", i)
+
+
+def row_bytes(nbytes):
+    return tirx.Cast("int64", nbytes)
+
+
+@T.inline
+def configure_tiles(cfg):
+    """Palette 1, eight tiles of 16 rows x 64 bytes (`cfg`: 64 bytes of scratch)."""
+    for c in T.serial(64):
+        cfg[c] = T.uint8(0)
+    cfg[0] = T.uint8(1)
+    for n in T.serial(8):
+        cfg[16 + 2 * n] = T.uint8(64)
+        cfg[48 + n] = T.uint8(TILE)
+    T.evaluate(amx("ldtilecfg", T.address_of(cfg[0])))
+
+
+@T.inline
+def tile_gemm(c_at, c_ld, a_at, a_ld, b_at, b_ld, m, n, k, accumulate):
+    """C (m x n fp32) = [C +] A (m x k bf16) . B (k/2 x n pairs), in 32 x 32 blocks.
+
+    x_at(row, col) is the address of element (row, col) of operand x in its own units (C: fp32,
+    A: bf16, B: pairs, so B's rows are k/2); x_ld its row stride in bytes. `accumulate` loads C
+    first, else starts from zero."""
+    for mb, nb in T.grid(m // BLOCK, n // BLOCK):
+        for c in T.unroll(4):
+            if accumulate:
+                T.evaluate(amx("tileloadd64", tmm(c), c_at(mb * BLOCK + c // 2 * TILE, nb * BLOCK + c % 2 * TILE),
+                               row_bytes(c_ld)))
+            else:
+                T.evaluate(amx("tilezero", tmm(c)))
+        for kc in T.serial(k // BLOCK):
+            for x in T.unroll(2):
+                T.evaluate(amx("tileloadd64", tmm(4 + x), a_at(mb * BLOCK + x * TILE, kc * BLOCK), row_bytes(a_ld)))
+                T.evaluate(amx("tileloadd64", tmm(6 + x), b_at(kc * TILE, nb * BLOCK + x * TILE), row_bytes(b_ld)))
+            T.evaluate(amx("tdpbf16ps", tmm(0), tmm(4), tmm(6)))
+            T.evaluate(amx("tdpbf16ps", tmm(1), tmm(4), tmm(7)))
+            T.evaluate(amx("tdpbf16ps", tmm(2), tmm(5), tmm(6)))
+            T.evaluate(amx("tdpbf16ps", tmm(3), tmm(5), tmm(7)))
+        for c in T.unroll(4):
+            T.evaluate(amx("tilestored64", tmm(c), c_at(mb * BLOCK + c // 2 * TILE, nb * BLOCK + c % 2 * TILE),
+                           row_bytes(c_ld)))
