@@ -35,6 +35,9 @@ RULES = {
     # AMX forward: VNNI packs of Q (once per task) and of P (every kv-step), transposed acc
     "pack_q": swap_and_vectorize, "pack_p": vectorize_inner,
     "pack_k": vectorize_inner, "pack_vT": swap_and_vectorize,
+    # AMX backward: operand packs per call (kv_rows, q_rows) and per step (P^T, dS^T pairs)
+    "pack_kv": vectorize_inner, "pack_kT": swap_and_vectorize, "pack_qd": swap_and_vectorize,
+    "pack_qq": vectorize_inner, "pack_pa": vectorize_inner, "pack_dsb": vectorize_inner,
 }
 
 
@@ -44,12 +47,17 @@ def has_amx(target: dict) -> bool:
 
 def kernels(spec, target: dict, knobs: dict) -> dict:
     """Name -> PrimFunc of every kernel of `spec`'s module for `target`."""
+    from .amx_backward import backward_amx_kernel, backward_amx_pack_kernel
     from .amx_forward import amx_supported, forward_amx_kernel, forward_amx_pack_kernel
 
     funcs = host.kernels(spec, target, knobs)
     if has_amx(target) and amx_supported(spec):
-        funcs["forward"] = forward_amx_kernel(spec, knobs["block_q"], knobs["block_k"], AMX_KV_PAD)
+        bq, bk = knobs["block_q"], knobs["block_k"]
+        funcs["forward"] = forward_amx_kernel(spec, bq, bk, AMX_KV_PAD)
         funcs["forward_pack"] = forward_amx_pack_kernel(spec, AMX_KV_PAD)
+        for plan in ("fused", "dkdv", "dq"):
+            funcs[f"backward_{plan}"] = backward_amx_kernel(spec, bq, bk, plan)
+        funcs["backward_pack"] = backward_amx_pack_kernel(spec, AMX_KV_PAD)
     return funcs
 
 

@@ -34,7 +34,7 @@ from .spec import AttentionSpec
 from .tuning import tuned_knobs
 
 CPU_KERNELS = ("forward", "backward_delta", "backward_dkdv", "backward_dq", "backward_fused")
-CPU_OPTIONAL_KERNELS = ("forward_pack",)  # AMX forward: K / V^T packing
+CPU_OPTIONAL_KERNELS = ("forward_pack", "backward_pack")  # AMX: operand packing
 CUDA_KERNELS = ("forward", "backward_prep", "backward_dkdv_dq", "backward_dq_convert", "backward_dkdv",
                 "backward_dq")
 

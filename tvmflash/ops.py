@@ -171,13 +171,36 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic)
     kern["backward_delta"](out, dout, delta)
     if dlse is not None:
         delta.sub_(dlse)
+    inputs = (q, k, v, dout, lse, delta)
+    packs = _amx_backward_packs(kern, q, k, v, dout)
     if backward_plan(B, k.shape[1]) == "fused":
-        dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        kern["backward_fused"](q, k, v, dout, lse, delta, dk, dv, dq, dq_acc, scale, *masks)
+        # fp32 dQ scratch: (B, H, D, Lq padded) = dQ^T on the AMX path, else dQ's shape
+        acc_shape = (B, H, q.shape[3], packs[3].shape[3]) if packs else q.shape
+        dq_acc = torch.empty(acc_shape, dtype=torch.float32)
+        kern["backward_fused"](*inputs, dk, dv, dq, dq_acc, scale, *masks, *packs)
     else:
-        kern["backward_dkdv"](q, k, v, dout, lse, delta, dk, dv, scale, *masks)
-        kern["backward_dq"](q, k, v, dout, lse, delta, dq, scale, *masks)
+        kern["backward_dkdv"](*inputs, dk, dv, scale, *masks, *packs)
+        kern["backward_dq"](*inputs, dq, scale, *masks, *packs)
     return dq, dk, dv
+
+
+def _amx_backward_packs(kern: dict, q, k, v, dout) -> tuple:
+    """The AMX backward's operands (schedules/amx_backward.py): K, V, K^T rows and Q, dO as
+    VNNI pairs over the head dim and over queries, zero-padded; built once per call."""
+    if "backward_pack" not in kern:
+        return ()
+    from .schedules.avx512 import AMX_KV_PAD as pad
+
+    B, H, Lq, D = q.shape
+    Hk, Lk = k.shape[1], k.shape[2]
+    Lqp, Lkp = -(-Lq // pad) * pad, -(-Lk // pad) * pad
+    rows = [torch.empty((B, Hk, Lkp, D), dtype=k.dtype) for _ in range(2)]
+    kt = torch.empty((B, Hk, D, Lkp), dtype=k.dtype)
+    over_d = [torch.empty((B, H, D // 2, Lqp), dtype=torch.uint32) for _ in range(2)]
+    over_q = [torch.empty((B, H, Lqp // 2, D), dtype=torch.uint32) for _ in range(2)]
+    packs = (*rows, kt, *over_d, *over_q)
+    kern["backward_pack"](q, k, v, dout, *packs)
+    return packs
 
 
 def _backward_cuda(kern, dout, q, k, v, out, lse, dlse, masks, scale, deterministic, dq, dk, dv):

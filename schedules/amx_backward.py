@@ -1,0 +1,343 @@
+"""bf16 flash-attention backward on Intel AMX tiles, fp32 element-wise work on AVX512.
+
+Same plans, names and outputs as `kernels/backward.py` (fused: one task per (batch, kv-head)
+that also owns dQ; split: kv-block tasks for dK/dV plus q-block tasks for dQ), but all five
+matmuls of a (kv-block, q-block) step run on AMX tiles, on S^T-shaped (keys x queries) tiles:
+
+    S^T  = K . Q^T           A: K rows                      B: Q pairs over d      (packed)
+    dP^T = V . dO^T          A: V rows                      B: dO pairs over d     (packed)
+    dV  += P^T . dO          A: P^T rows (bf16, per step)   B: dO pairs over queries (packed)
+    dK  += dS^T . Q          A: dS^T rows (bf16, per step)  B: Q pairs over queries  (packed)
+    dQ^T += K^T . dS^T       A: K^T rows                    B: dS^T pairs over keys (per step)
+
+`backward_amx_pack_kernel` writes the seven packed operands once per call, zero-padded to a
+multiple of `pad` rows, so tile loads stay in bounds and padded rows contribute exactly 0. The
+fused plan accumulates dQ^T in an fp32 (B, H, D, Lq_padded) scratch owned by its task. Q is not
+pre-scaled: scale enters the fp32 scores and the dK / dQ stores, so bf16 rounding of q*scale
+does not enter.
+"""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..kernels.backward import declare_backward_inputs
+from ..kernels.common import F32, NEG_INF, POS_INF, KernelArgs, Shape, fast_exp
+from ..kernels.score_mods import ScoreIndex, ScorePipeline
+from .amx import BF16, PAIR, amx, configure_tiles, pair_bits, pair_of_floats, tile_gemm
+from .amx_forward import amx_supported, modified
+
+__all__ = ["amx_supported", "backward_amx_pack_kernel", "backward_amx_kernel"]
+
+
+class Packs:
+    """The packed operands (kernel arguments, declared in this order after the others)."""
+
+    def __init__(self, spec, shape: Shape, args: KernelArgs, lqp: tirx.Var):
+        D = spec.head_dim
+        B, H, HK = shape.batch, shape.heads, shape.heads_k
+        self.lqp = lqp
+        self.lkp = tirx.Var("seqlen_k_padded", "int64")
+        LQP, LKP = self.lqp, self.lkp
+        self.kp = args.tensor("kp", (B, HK, LKP, D), BF16)  # K rows
+        self.vp = args.tensor("vp", (B, HK, LKP, D), BF16)  # V rows
+        self.kt = args.tensor("kt", (B, HK, D, LKP), BF16)  # K^T rows
+        self.qd = args.tensor("qd", (B, H, D // 2, LQP), PAIR)  # [p, i] = (q[i, 2p], q[i, 2p+1])
+        self.dod = args.tensor("dod", (B, H, D // 2, LQP), PAIR)
+        self.qq = args.tensor("qq", (B, H, LQP // 2, D), PAIR)  # [r, d] = (q[2r, d], q[2r+1, d])
+        self.doq = args.tensor("doq", (B, H, LQP // 2, D), PAIR)
+
+
+def backward_amx_pack_kernel(spec, pad: int) -> tirx.PrimFunc:
+    """The seven packed operands of one backward call (zero past Lq / Lk), from q, k, v, dO."""
+    D = spec.head_dim
+    shape = Shape.fresh()
+    B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
+    args = KernelArgs()
+    CH = 32  # rows per task
+    assert pad % CH == 0
+
+    def declare():
+        q, k, v, do = (args.tensor(name, (B, heads, length, D), BF16)
+                       for name, heads, length in (("q", H, LQ), ("k", HK, LK), ("v", HK, LK), ("do", H, LQ)))
+        return q, k, v, do, Packs(spec, shape, args, tirx.Var("seqlen_q_padded", "int64"))
+
+    @T.prim_func(s_tir=True)
+    def pack():
+        T.func_attr({"tirx.noalias": True})
+        Q, K, V, DO, P = T.meta_var(declare())
+        NKC, NQC = T.meta_var((P.lkp // CH, P.lqp // CH))
+        for t in T.parallel(B * HK * NKC):
+            with T.sblock("kv_rows"):
+                vb = T.axis.spatial(B, t // (HK * NKC))
+                vh = T.axis.spatial(HK, t // NKC % HK)
+                vc = T.axis.spatial(NKC, t % NKC)
+                j0 = T.meta_var(vc * CH)
+                key = T.meta_var(lambda j: T.min(j0 + j, LK - 1))
+                for j, d in T.grid(CH, D):
+                    with T.sblock("pack_kv"):
+                        vj, vd = T.axis.remap("SS", [j, d])
+                        P.kp[vb, vh, j0 + vj, vd] = T.Select(j0 + vj < LK, K[vb, vh, key(vj), vd], T.bfloat16(0))
+                        P.vp[vb, vh, j0 + vj, vd] = T.Select(j0 + vj < LK, V[vb, vh, key(vj), vd], T.bfloat16(0))
+                for j, d in T.grid(CH, D):
+                    with T.sblock("pack_kT"):
+                        vj, vd = T.axis.remap("SS", [j, d])
+                        P.kt[vb, vh, vd, j0 + vj] = T.Select(j0 + vj < LK, K[vb, vh, key(vj), vd], T.bfloat16(0))
+        for t in T.parallel(B * H * NQC):
+            with T.sblock("q_rows"):
+                vb = T.axis.spatial(B, t // (H * NQC))
+                vh = T.axis.spatial(H, t // NQC % H)
+                vc = T.axis.spatial(NQC, t % NQC)
+                i0 = T.meta_var(vc * CH)
+                row = T.meta_var(lambda i: T.min(i0 + i, LQ - 1))
+                for i, p in T.grid(CH, D // 2):
+                    with T.sblock("pack_qd"):
+                        vi, vp = T.axis.remap("SS", [i, p])
+                        P.qd[vb, vh, vp, i0 + vi] = T.Select(
+                            i0 + vi < LQ, pair_bits(Q[vb, vh, row(vi), 2 * vp], Q[vb, vh, row(vi), 2 * vp + 1]), T.uint32(0))
+                        P.dod[vb, vh, vp, i0 + vi] = T.Select(
+                            i0 + vi < LQ, pair_bits(DO[vb, vh, row(vi), 2 * vp], DO[vb, vh, row(vi), 2 * vp + 1]), T.uint32(0))
+                for r, d in T.grid(CH // 2, D):
+                    with T.sblock("pack_qq"):
+                        vr, vd = T.axis.remap("SS", [r, d])
+                        P.qq[vb, vh, i0 // 2 + vr, vd] = T.Select(
+                            i0 + 2 * vr < LQ, pair_bits(Q[vb, vh, row(2 * vr), vd], Q[vb, vh, row(2 * vr + 1), vd]) &
+                            T.Select(i0 + 2 * vr + 1 < LQ, T.uint32(0xFFFFFFFF), T.uint32(0xFFFF)), T.uint32(0))
+                        P.doq[vb, vh, i0 // 2 + vr, vd] = T.Select(
+                            i0 + 2 * vr < LQ, pair_bits(DO[vb, vh, row(2 * vr), vd], DO[vb, vh, row(2 * vr + 1), vd]) &
+                            T.Select(i0 + 2 * vr + 1 < LQ, T.uint32(0xFFFFFFFF), T.uint32(0xFFFF)), T.uint32(0))
+
+    return pack.with_attr("global_symbol", "backward_pack")
+
+
+@T.inline
+def load_row_stats(LSE, DELTA, lse_t, delta_t, b, h, q0, BQ, LQ):
+    """lse and delta of the step's queries; lse = +inf past Lq or where a query sees no key
+    (lse = -inf), which makes its p exactly 0."""
+    for i in T.serial(BQ):
+        with T.sblock("load_stats"):
+            vi = T.axis.remap("S", [i])
+            lse_t[vi] = T.Select(q0 + vi < LQ, T.Select(LSE[b, h, T.min(q0 + vi, LQ - 1)] == NEG_INF, POS_INF,
+                                                           LSE[b, h, T.min(q0 + vi, LQ - 1)]), POS_INF)
+            delta_t[vi] = T.Select(q0 + vi < LQ, DELTA[b, h, T.min(q0 + vi, LQ - 1)], T.float32(0))
+
+
+@T.inline
+def score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, lse_t, delta_t, b, h, hk, q0, k0, BQ, BK, D, LQ, LK):
+    """P^T and dS^T (fp32, keys x queries) of one (kv-block, q-block) step."""
+    with T.sblock("qk_amx"):  # S^T = K . Q^T
+        T.reads(P.kp[b, hk, k0:k0 + BK, 0:D], P.qd[b, h, 0:D // 2, q0:q0 + BQ], cfg[0:64])
+        T.writes(sT[0:BK, 0:BQ])
+        tile_gemm(lambda r, c: T.address_of(sT[r, c]), BQ * 4,
+                  lambda r, c: T.address_of(P.kp[b, hk, k0 + r, c]), P.kp.strides[2] * 2,
+                  lambda r, c: T.address_of(P.qd[b, h, r, q0 + c]), P.qd.strides[2] * 4, BK, BQ, D, False)
+    with T.sblock("dp_amx"):  # dP^T = V . dO^T
+        T.reads(P.vp[b, hk, k0:k0 + BK, 0:D], P.dod[b, h, 0:D // 2, q0:q0 + BQ], cfg[0:64])
+        T.writes(dpT[0:BK, 0:BQ])
+        tile_gemm(lambda r, c: T.address_of(dpT[r, c]), BQ * 4,
+                  lambda r, c: T.address_of(P.vp[b, hk, k0 + r, c]), P.vp.strides[2] * 2,
+                  lambda r, c: T.address_of(P.dod[b, h, r, q0 + c]), P.dod.strides[2] * 4, BK, BQ, D, False)
+    for j, i in T.grid(BK, BQ):
+        with T.sblock("p"):
+            vj, vi = T.axis.remap("SS", [j, i])
+            pT[vj, vi] = T.Select(k0 + vj < LK, fast_exp(modified(
+                score, sT[vj, vi] * scale, ScoreIndex(b, h, T.min(q0 + vi, LQ - 1), T.min(k0 + vj, LK - 1)))
+                - lse_t[vi]), T.float32(0))
+    for j, i in T.grid(BK, BQ):
+        with T.sblock("ds"):
+            vj, vi = T.axis.remap("SS", [j, i])
+            dsT[vj, vi] = pT[vj, vi] * (dpT[vj, vi] - delta_t[vi]) * score.grad(
+                sT[vj, vi] * scale, ScoreIndex(b, h, T.min(q0 + vi, LQ - 1), T.min(k0 + vj, LK - 1)))
+
+
+@T.inline
+def accumulate_dq(P, cfg, acc_at, acc_ld, acc_region, dsT, dsb, hk, b, k0, BQ, BK, D):
+    """dQ^T (D x BQ, at acc_at) += K^T . dS^T."""
+    for p, i in T.grid(BK // 2, BQ):
+        with T.sblock("pack_dsb"):
+            vp, vi = T.axis.remap("SS", [p, i])
+            dsb[vp, vi] = pair_of_floats(dsT[2 * vp, vi], dsT[2 * vp + 1, vi])
+    with T.sblock("dq_amx"):
+        T.reads(P.kt[b, hk, 0:D, k0:k0 + BK], dsb[0:BK // 2, 0:BQ], acc_region, cfg[0:64])
+        T.writes(acc_region)
+        tile_gemm(acc_at, acc_ld, lambda r, c: T.address_of(P.kt[b, hk, r, k0 + c]), P.kt.strides[2] * 2,
+                  lambda r, c: T.address_of(dsb[r, c]), BQ * 4, D, BQ, BK, True)
+
+
+def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str) -> tirx.PrimFunc:
+    """plan "fused": one task per (batch, kv-head), dK, dV and dQ (symbol backward_fused);
+    "dkdv": one task per (batch, kv-head, kv-block), dK and dV (backward_dkdv); "dq": one task
+    per (batch, head, q-block), dQ (backward_dq). Arguments as the generic kernels' (the fused
+    plan's fp32 scratch is dQ^T: (B, H, D, Lq_padded)), then the packs."""
+    assert amx_supported(spec) and block_q % 32 == 0 and block_k % 32 == 0 and plan in ("fused", "dkdv", "dq")
+    D, BQ, BK, dt = spec.head_dim, block_q, block_k, spec.dtype
+    shape = Shape.fresh()
+    B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
+    args = KernelArgs()
+    fused = plan == "fused"
+
+    def declare():
+        q, k, v, do, lse, delta = declare_backward_inputs(spec, shape, args)
+        dk = args.tensor("dk", (B, HK, LK, D), dt) if plan != "dq" else None
+        dv = args.tensor("dv", (B, HK, LK, D), dt) if plan != "dq" else None
+        dq = args.tensor("dq", (B, H, LQ, D), dt) if plan != "dkdv" else None
+        lqp = tirx.Var("seqlen_q_padded", "int64")
+        dq_accT = args.tensor("dq_accT", (B, H, D, lqp), F32) if fused else None
+        scale = args.scalar("scale")
+        score = ScorePipeline(spec.modifiers(), args, shape)
+        packs = Packs(spec, shape, args, lqp)
+        return lse, delta, dk, dv, dq, dq_accT, scale, score, packs
+
+    if plan == "dq":
+        return _dq_kernel(declare, shape, D, BQ, BK, dt)
+
+    @T.prim_func(s_tir=True)
+    def dkdv_fn():
+        T.func_attr({"tirx.noalias": True})
+        LSE, DELTA, DK, DV, DQ, DQ_ACC, scale, score, P = T.meta_var(declare())
+        NKB = T.meta_var((LK + BK - 1) // BK)
+        SPLIT, TASK_KB = T.meta_var((1, NKB) if fused else (NKB, 1))
+        G = T.meta_var(H // HK)
+        for t in T.parallel(B * HK * SPLIT):
+            with T.sblock("task"):
+                vt = T.axis.spatial(B * HK * SPLIT, t)
+                cfg = T.sblock_alloc_buffer((64,), "uint8")
+                with T.sblock("tile_config"):
+                    T.reads()
+                    T.writes(cfg[0:64])
+                    configure_tiles(cfg)
+                if fused:
+                    for g, d, ic, i in T.grid(G, D, P.lqp // 16, 16):  # Lq_padded % 16 == 0
+                        with T.sblock("zero_dq"):
+                            vg, vd, vic, vi = T.axis.remap("SSSS", [g, d, ic, i])
+                            DQ_ACC[vt // HK, vt % HK * G + vg, vd, vic * 16 + vi] = T.float32(0)
+                for kbt in T.serial(TASK_KB):
+                    with T.sblock("tile"):
+                        vb = T.axis.spatial(B, vt // (HK * SPLIT))
+                        vhk = T.axis.spatial(HK, vt // SPLIT % HK)
+                        vkb = T.axis.opaque(NKB, vt % SPLIT * TASK_KB + kbt)
+                        dk_acc = T.sblock_alloc_buffer((BK, D), F32)
+                        dv_acc = T.sblock_alloc_buffer((BK, D), F32)
+                        k0 = T.meta_var(vkb * BK)
+                        qb_lo, qb_hi = T.meta_var(score.q_blocks(k0, T.min(k0 + BK, LK), BQ))
+                        for j, d in T.grid(BK, D):
+                            with T.sblock("init_acc"):
+                                vj, vd = T.axis.remap("SS", [j, d])
+                                dk_acc[vj, vd] = T.float32(0)
+                                dv_acc[vj, vd] = T.float32(0)
+                        for g, qb in T.grid(G, qb_hi - qb_lo):
+                            with T.sblock("q_step"):
+                                vg = T.axis.opaque(G, g)
+                                vqb = T.axis.opaque((LQ + BQ - 1) // BQ, qb_lo + qb)
+                                lse_t = T.sblock_alloc_buffer((BQ,), F32)
+                                delta_t = T.sblock_alloc_buffer((BQ,), F32)
+                                sT = T.sblock_alloc_buffer((BK, BQ), F32)
+                                dpT = T.sblock_alloc_buffer((BK, BQ), F32)
+                                pT = T.sblock_alloc_buffer((BK, BQ), F32)
+                                dsT = T.sblock_alloc_buffer((BK, BQ), F32)
+                                pa = T.sblock_alloc_buffer((BK, BQ // 2), PAIR)
+                                dsa = T.sblock_alloc_buffer((BK, BQ // 2), PAIR)
+                                vh = T.meta_var(vhk * G + vg)
+                                q0 = T.meta_var(vqb * BQ)
+                                load_row_stats(LSE, DELTA, lse_t, delta_t, vb, vh, q0, BQ, LQ)
+                                score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, lse_t, delta_t,
+                                                vb, vh, vhk, q0, k0, BQ, BK, D, LQ, LK)
+                                for j, p in T.grid(BK, BQ // 2):
+                                    with T.sblock("pack_pa"):
+                                        vj, vp = T.axis.remap("SS", [j, p])
+                                        pa[vj, vp] = pair_of_floats(pT[vj, 2 * vp], pT[vj, 2 * vp + 1])
+                                        dsa[vj, vp] = pair_of_floats(dsT[vj, 2 * vp], dsT[vj, 2 * vp + 1])
+                                with T.sblock("dv_amx"):  # dV += P^T . dO
+                                    T.reads(pa[0:BK, 0:BQ // 2], P.doq[vb, vh, q0 // 2:q0 // 2 + BQ // 2, 0:D],
+                                            dv_acc[0:BK, 0:D], cfg[0:64])
+                                    T.writes(dv_acc[0:BK, 0:D])
+                                    tile_gemm(lambda r, c: T.address_of(dv_acc[r, c]), D * 4,
+                                              lambda r, c: T.address_of(pa[r, c // 2]), BQ * 2,
+                                              lambda r, c: T.address_of(P.doq[vb, vh, q0 // 2 + r, c]),
+                                              P.doq.strides[2] * 4, BK, D, BQ, True)
+                                with T.sblock("dk_amx"):  # dK += dS^T . Q
+                                    T.reads(dsa[0:BK, 0:BQ // 2], P.qq[vb, vh, q0 // 2:q0 // 2 + BQ // 2, 0:D],
+                                            dk_acc[0:BK, 0:D], cfg[0:64])
+                                    T.writes(dk_acc[0:BK, 0:D])
+                                    tile_gemm(lambda r, c: T.address_of(dk_acc[r, c]), D * 4,
+                                              lambda r, c: T.address_of(dsa[r, c // 2]), BQ * 2,
+                                              lambda r, c: T.address_of(P.qq[vb, vh, q0 // 2 + r, c]),
+                                              P.qq.strides[2] * 4, BK, D, BQ, True)
+                                if fused:
+                                    dsb = T.sblock_alloc_buffer((BK // 2, BQ), PAIR)
+                                    accumulate_dq(P, cfg, lambda r, c: T.address_of(DQ_ACC[vb, vh, r, q0 + c]),
+                                                  DQ_ACC.strides[2] * 4, DQ_ACC[vb, vh, 0:D, q0:q0 + BQ],
+                                                  dsT, dsb, vhk, vb, k0, BQ, BK, D)
+                        for j, d in T.grid(BK, D):
+                            with T.sblock("store_dkdv"):
+                                vj, vd = T.axis.remap("SS", [j, d])
+                                T.where(k0 + j < LK)
+                                DK[vb, vhk, k0 + vj, vd] = T.Cast(dt, dk_acc[vj, vd] * scale)
+                                DV[vb, vhk, k0 + vj, vd] = T.Cast(dt, dv_acc[vj, vd])
+                with T.sblock("tile_release"):
+                    T.reads()
+                    T.writes()
+                    T.evaluate(amx("tilerelease"))
+                if fused:
+                    for g, i, d in T.grid(G, LQ, D):
+                        with T.sblock("store_dq"):
+                            vg, vi, vd = T.axis.remap("SSS", [g, i, d])
+                            DQ[vt // HK, vt % HK * G + vg, vi, vd] = T.Cast(
+                                dt, DQ_ACC[vt // HK, vt % HK * G + vg, vd, vi] * scale)
+
+    return dkdv_fn.with_attr("global_symbol", "backward_fused" if fused else "backward_dkdv")
+
+
+def _dq_kernel(declare, shape: Shape, D: int, BQ: int, BK: int, dt: str) -> tirx.PrimFunc:
+    B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
+
+    @T.prim_func(s_tir=True)
+    def dq_fn():
+        T.func_attr({"tirx.noalias": True})
+        LSE, DELTA, _dk, _dv, DQ, _acc, scale, score, P = T.meta_var(declare())
+        NQB = T.meta_var((LQ + BQ - 1) // BQ)
+        for t in T.parallel(B * H * NQB):
+            with T.sblock("tile"):
+                vb = T.axis.spatial(B, t // (H * NQB))
+                vh = T.axis.spatial(H, t // NQB % H)
+                vqb = T.axis.spatial(NQB, t % NQB)
+                cfg = T.sblock_alloc_buffer((64,), "uint8")
+                lse_t = T.sblock_alloc_buffer((BQ,), F32)
+                delta_t = T.sblock_alloc_buffer((BQ,), F32)
+                dq_accT = T.sblock_alloc_buffer((D, BQ), F32)
+                vhk = T.meta_var(vh // (H // HK))
+                q0 = T.meta_var(vqb * BQ)
+                kb_lo, kb_hi = T.meta_var(score.kv_blocks(q0, T.min(q0 + BQ, LQ), BK))
+                with T.sblock("tile_config"):
+                    T.reads()
+                    T.writes(cfg[0:64])
+                    configure_tiles(cfg)
+                load_row_stats(LSE, DELTA, lse_t, delta_t, vb, vh, q0, BQ, LQ)
+                for d, i in T.grid(D, BQ):
+                    with T.sblock("init_acc"):
+                        vd, vi = T.axis.remap("SS", [d, i])
+                        dq_accT[vd, vi] = T.float32(0)
+                for kb in T.serial(kb_lo, kb_hi):
+                    with T.sblock("kv_step"):
+                        vkb = T.axis.opaque((LK + BK - 1) // BK, kb)
+                        sT = T.sblock_alloc_buffer((BK, BQ), F32)
+                        dpT = T.sblock_alloc_buffer((BK, BQ), F32)
+                        pT = T.sblock_alloc_buffer((BK, BQ), F32)
+                        dsT = T.sblock_alloc_buffer((BK, BQ), F32)
+                        dsb = T.sblock_alloc_buffer((BK // 2, BQ), PAIR)
+                        k0 = T.meta_var(vkb * BK)
+                        score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, lse_t, delta_t,
+                                        vb, vh, vhk, q0, k0, BQ, BK, D, LQ, LK)
+                        accumulate_dq(P, cfg, lambda r, c: T.address_of(dq_accT[r, c]), BQ * 4, dq_accT[0:D, 0:BQ],
+                                      dsT, dsb, vhk, vb, k0, BQ, BK, D)
+                with T.sblock("tile_release"):
+                    T.reads()
+                    T.writes()
+                    T.evaluate(amx("tilerelease"))
+                for i, d in T.grid(BQ, D):
+                    with T.sblock("store_dq"):
+                        vi, vd = T.axis.remap("SS", [i, d])
+                        T.where(q0 + i < LQ)
+                        DQ[vb, vh, q0 + vi, vd] = T.Cast(dt, dq_accT[vd, vi] * scale)
+
+    return dq_fn.with_attr("global_symbol", "backward_dq")
