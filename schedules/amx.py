@@ -14,6 +14,7 @@ from tvm.script import tirx as T
 BF16 = "bfloat16"
 PAIR = "uint32"  # two bf16 (a VNNI pair) of a tile operand built in the kernel; bf16 scratch
 # buffers would not do: TVM legalises them to fp32
+BF16_BITS = "uint16"  # a bf16 A operand built in the kernel, as bits
 TILE = 16  # rows of an AMX tile; a row is 64 bytes: 32 bf16 or 16 fp32
 BLOCK = 32  # C block edge (2 x 2 tiles); every GEMM dimension is a multiple of it
 
@@ -27,6 +28,12 @@ def bf16_bits(x):
     does, written out because TVM keeps bf16 values as fp32 inside a kernel."""
     u = tirx.reinterpret(PAIR, x)
     return (u + _u32(0x7FFF) + ((u >> _u32(16)) & _u32(1))) >> _u32(16)
+
+
+def bf16_word(x):
+    """fp32 `x` rounded to bf16, as its 16 bits (a row-major bf16 A operand built from fp32
+    values: contiguous vectors, where building pairs along a row would gather)."""
+    return tirx.Cast(BF16_BITS, bf16_bits(x))
 
 
 def pair_of_floats(lo, hi):

@@ -24,7 +24,7 @@ from tvm.script import tirx as T
 from ..kernels.backward import declare_backward_inputs
 from ..kernels.common import F32, NEG_INF, POS_INF, KernelArgs, Shape, fast_exp
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
-from .amx import BF16, PAIR, amx, configure_tiles, pair_bits, pair_of_floats, tile_gemm
+from .amx import BF16, BF16_BITS, PAIR, amx, bf16_word, configure_tiles, pair_bits, pair_of_floats, tile_gemm
 from .amx_forward import amx_supported, modified
 
 __all__ = ["amx_supported", "backward_amx_pack_kernel", "backward_amx_kernel"]
@@ -235,32 +235,32 @@ def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str) -> tirx.Pri
                                 dpT = T.sblock_alloc_buffer((BK, BQ), F32)
                                 pT = T.sblock_alloc_buffer((BK, BQ), F32)
                                 dsT = T.sblock_alloc_buffer((BK, BQ), F32)
-                                pa = T.sblock_alloc_buffer((BK, BQ // 2), PAIR)
-                                dsa = T.sblock_alloc_buffer((BK, BQ // 2), PAIR)
+                                pa = T.sblock_alloc_buffer((BK, BQ), BF16_BITS)
+                                dsa = T.sblock_alloc_buffer((BK, BQ), BF16_BITS)
                                 vh = T.meta_var(vhk * G + vg)
                                 q0 = T.meta_var(vqb * BQ)
                                 load_row_stats(LSE, DELTA, lse_t, delta_t, vb, vh, q0, BQ, LQ)
                                 score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, lse_t, delta_t,
                                                 vb, vh, vhk, q0, k0, BQ, BK, D, LQ, LK)
-                                for j, p in T.grid(BK, BQ // 2):
+                                for j, i in T.grid(BK, BQ):
                                     with T.sblock("pack_pa"):
-                                        vj, vp = T.axis.remap("SS", [j, p])
-                                        pa[vj, vp] = pair_of_floats(pT[vj, 2 * vp], pT[vj, 2 * vp + 1])
-                                        dsa[vj, vp] = pair_of_floats(dsT[vj, 2 * vp], dsT[vj, 2 * vp + 1])
+                                        vj, vi = T.axis.remap("SS", [j, i])
+                                        pa[vj, vi] = bf16_word(pT[vj, vi])
+                                        dsa[vj, vi] = bf16_word(dsT[vj, vi])
                                 with T.sblock("dv_amx"):  # dV += P^T . dO
-                                    T.reads(pa[0:BK, 0:BQ // 2], P.doq[vb, vh, q0 // 2:q0 // 2 + BQ // 2, 0:D],
+                                    T.reads(pa[0:BK, 0:BQ], P.doq[vb, vh, q0 // 2:q0 // 2 + BQ // 2, 0:D],
                                             dv_acc[0:BK, 0:D], cfg[0:64])
                                     T.writes(dv_acc[0:BK, 0:D])
                                     tile_gemm(lambda r, c: T.address_of(dv_acc[r, c]), D * 4,
-                                              lambda r, c: T.address_of(pa[r, c // 2]), BQ * 2,
+                                              lambda r, c: T.address_of(pa[r, c]), BQ * 2,
                                               lambda r, c: T.address_of(P.doq[vb, vh, q0 // 2 + r, c]),
                                               P.doq.strides[2] * 4, BK, D, BQ, True)
                                 with T.sblock("dk_amx"):  # dK += dS^T . Q
-                                    T.reads(dsa[0:BK, 0:BQ // 2], P.qq[vb, vh, q0 // 2:q0 // 2 + BQ // 2, 0:D],
+                                    T.reads(dsa[0:BK, 0:BQ], P.qq[vb, vh, q0 // 2:q0 // 2 + BQ // 2, 0:D],
                                             dk_acc[0:BK, 0:D], cfg[0:64])
                                     T.writes(dk_acc[0:BK, 0:D])
                                     tile_gemm(lambda r, c: T.address_of(dk_acc[r, c]), D * 4,
-                                              lambda r, c: T.address_of(dsa[r, c // 2]), BQ * 2,
+                                              lambda r, c: T.address_of(dsa[r, c]), BQ * 2,
                                               lambda r, c: T.address_of(P.qq[vb, vh, q0 // 2 + r, c]),
                                               P.qq.strides[2] * 4, BK, D, BQ, True)
                                 if fused:

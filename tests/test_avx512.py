@@ -1,8 +1,8 @@
-"""The AVX512 / AMX path (schedules/avx512.py, schedules/amx_forward.py).
+"""The AVX512 / AMX path (schedules/avx512.py, amx_forward.py, amx_backward.py).
 
 Build checks (`test_asm_*`, they need TVM's compiler) run everywhere, CI has no AVX512: the
 sapphirerapids modules compile and their assembly holds what the schedule intends (zmm FMAs; AMX
-tile products for the bf16 forward).
+tile products for the bf16 forward and backward).
 The correctness matrix runs those modules against the float64 reference, on CPUs with AVX512 +
 AMX only (skipped elsewhere); TVMFLASH_CPU_TARGET=avx512 pins the path whatever `auto` picks.
 """
@@ -41,7 +41,16 @@ def test_asm_bf16_forward_runs_on_amx_tiles():
     assert fwd.count("tdpbf16ps") >= 8 and fwd.count("tileloadd") >= 8 and "tilestored" in fwd
     assert "zmm" in fwd and "vfmadd" in fwd  # softmax (fast exp) on AVX512
     assert "expf" not in fwd  # fast exp, no libm calls
-    assert "tdpbf16ps" not in asm["backward_dkdv"]  # the backward stays on FMAs (for now)
+
+
+def test_asm_bf16_backward_runs_on_amx_tiles():
+    asm = spr_asm(AttentionSpec("bfloat16", 64, causal="bottom_right"))
+    # tile products per 32 x 32 block: fused 5 GEMMs, dK/dV 4, dQ 3 (S^T, dP^T, dQ^T)
+    for name, gemms in (("backward_fused", 5), ("backward_dkdv", 4), ("backward_dq", 3)):
+        body = asm[name]
+        assert "ldtilecfg" in body and "tilerelease" in body, name
+        assert body.count("tdpbf16ps") >= 4 * gemms, name
+        assert "vfmadd" in body and "expf" not in body, name  # fast exp on AVX512
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -111,4 +120,14 @@ def test_amx_path_is_taken():
     from tvmflash.ops import _kernels
 
     assert build.cpu_target() == build.AVX512_TARGET
-    assert "forward_pack" in _kernels(AttentionSpec("bfloat16", 64), torch.device("cpu"))
+    kernels = _kernels(AttentionSpec("bfloat16", 64), torch.device("cpu"))
+    assert "forward_pack" in kernels and "backward_pack" in kernels
+
+
+@needs_amx
+@pytest.mark.parametrize("plan", ["fused", "split"])
+def test_amx_backward_plans(plan, monkeypatch):
+    """Both backward plans of the AMX path (the matrix mostly takes the fused one), GQA, odd sizes."""
+    monkeypatch.setenv("TVMFLASH_BACKWARD", plan)
+    q, k, v, dout = make(3, 4, 2, 77, 161, 128, torch.bfloat16)
+    check_against_reference(q, k, v, dout, flash_run(True), causal="bottom_right")
