@@ -14,7 +14,6 @@ from tvm.script import tirx as T
 BF16 = "bfloat16"
 PAIR = "uint32"  # two bf16 (a VNNI pair) of a tile operand built in the kernel; bf16 scratch
 # buffers would not do: TVM legalises them to fp32
-BF16_BITS = "uint16"  # a bf16 A operand built in the kernel, as bits
 TILE = 16  # rows of an AMX tile; a row is 64 bytes: 32 bf16 or 16 fp32
 BLOCK = 32  # C block edge (2 x 2 tiles); every GEMM dimension is a multiple of it
 
@@ -23,22 +22,24 @@ def _u32(value: int):
     return tirx.const(value, PAIR)
 
 
-def bf16_bits(x):
-    """Bits of fp32 `x` rounded to bf16 (nearest even; finite x), as uint32: what a cast to bf16
-    does, written out because TVM keeps bf16 values as fp32 inside a kernel."""
-    u = tirx.reinterpret(PAIR, x)
-    return (u + _u32(0x7FFF) + ((u >> _u32(16)) & _u32(1))) >> _u32(16)
+def _to_bf16(lo, hi):
+    """vcvtne2ps2bf16 (avx512_bf16): 32 bf16 words, rounded to nearest even, lo's 16 fp32 lanes
+    first (TVM would legalise a bf16 cast into integer arithmetic)."""
+    return tirx.call_llvm_pure_intrin("int16x32", "llvm.x86.avx512bf16.cvtne2ps2bf16.512", hi, lo)
 
 
-def bf16_word(x):
-    """fp32 `x` rounded to bf16, as its 16 bits (a row-major bf16 A operand built from fp32
-    values: contiguous vectors, where building pairs along a row would gather)."""
-    return tirx.Cast(BF16_BITS, bf16_bits(x))
+def bf16_row(lo, hi):
+    """32 consecutive fp32 values (two fp32x16 vectors) as 32 bf16 in order: 16 words of a
+    row-major bf16 A operand."""
+    return tirx.reinterpret("uint32x16", _to_bf16(lo, hi))
 
 
-def pair_of_floats(lo, hi):
-    """Two fp32 values rounded to bf16, as one VNNI pair: lo in the low half."""
-    return bf16_bits(lo) | (bf16_bits(hi) << _u32(16))
+_INTERLEAVE = [x for m in range(16) for x in (m, m + 16)]
+
+
+def bf16_pairs(even, odd):
+    """Two fp32x16 rows (K-dim rows 2p and 2p + 1) as 16 VNNI pairs of a B operand."""
+    return tirx.reinterpret("uint32x16", tirx.Shuffle([_to_bf16(even, odd)], _INTERLEAVE))
 
 
 def pair_bits(lo, hi):

@@ -24,7 +24,7 @@ from tvm.script import tirx as T
 from ..kernels.backward import declare_backward_inputs
 from ..kernels.common import F32, NEG_INF, POS_INF, KernelArgs, Shape, fast_exp
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
-from .amx import BF16, BF16_BITS, PAIR, amx, bf16_word, configure_tiles, pair_bits, pair_of_floats, tile_gemm
+from .amx import BF16, PAIR, amx, bf16_pairs, bf16_row, configure_tiles, pair_bits, tile_gemm
 from .amx_forward import amx_supported, modified
 
 __all__ = ["amx_supported", "backward_amx_pack_kernel", "backward_amx_kernel"]
@@ -153,10 +153,13 @@ def score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, lse_t, delta_t, b, h
 @T.inline
 def accumulate_dq(P, cfg, acc_at, acc_ld, acc_region, dsT, dsb, hk, b, k0, BQ, BK, D):
     """dQ^T (D x BQ, at acc_at) += K^T . dS^T."""
-    for p, i in T.grid(BK // 2, BQ):
+    for p, ic in T.grid(BK // 2, BQ // 16):
         with T.sblock("pack_dsb"):
-            vp, vi = T.axis.remap("SS", [p, i])
-            dsb[vp, vi] = pair_of_floats(dsT[2 * vp, vi], dsT[2 * vp + 1, vi])
+            vp, vic = T.axis.remap("SS", [p, ic])
+            T.reads(dsT[vp * 2:vp * 2 + 2, vic * 16:vic * 16 + 16])
+            T.writes(dsb[vp, vic * 16:vic * 16 + 16])
+            dsb[vp, T.Ramp(vic * 16, 1, 16)] = bf16_pairs(dsT[vp * 2, T.Ramp(vic * 16, 1, 16)],
+                                                          dsT[vp * 2 + 1, T.Ramp(vic * 16, 1, 16)])
     with T.sblock("dq_amx"):
         T.reads(P.kt[b, hk, 0:D, k0:k0 + BK], dsb[0:BK // 2, 0:BQ], acc_region, cfg[0:64])
         T.writes(acc_region)
@@ -235,32 +238,36 @@ def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str) -> tirx.Pri
                                 dpT = T.sblock_alloc_buffer((BK, BQ), F32)
                                 pT = T.sblock_alloc_buffer((BK, BQ), F32)
                                 dsT = T.sblock_alloc_buffer((BK, BQ), F32)
-                                pa = T.sblock_alloc_buffer((BK, BQ), BF16_BITS)
-                                dsa = T.sblock_alloc_buffer((BK, BQ), BF16_BITS)
+                                pa = T.sblock_alloc_buffer((BK, BQ // 2), PAIR)  # bf16 rows
+                                dsa = T.sblock_alloc_buffer((BK, BQ // 2), PAIR)
                                 vh = T.meta_var(vhk * G + vg)
                                 q0 = T.meta_var(vqb * BQ)
                                 load_row_stats(LSE, DELTA, lse_t, delta_t, vb, vh, q0, BQ, LQ)
                                 score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, lse_t, delta_t,
                                                 vb, vh, vhk, q0, k0, BQ, BK, D, LQ, LK)
-                                for j, i in T.grid(BK, BQ):
+                                for j, c in T.grid(BK, BQ // 32):
                                     with T.sblock("pack_pa"):
-                                        vj, vi = T.axis.remap("SS", [j, i])
-                                        pa[vj, vi] = bf16_word(pT[vj, vi])
-                                        dsa[vj, vi] = bf16_word(dsT[vj, vi])
+                                        vj, vc = T.axis.remap("SS", [j, c])
+                                        T.reads(pT[vj, vc * 32:vc * 32 + 32], dsT[vj, vc * 32:vc * 32 + 32])
+                                        T.writes(pa[vj, vc * 16:vc * 16 + 16], dsa[vj, vc * 16:vc * 16 + 16])
+                                        pa[vj, T.Ramp(vc * 16, 1, 16)] = bf16_row(pT[vj, T.Ramp(vc * 32, 1, 16)],
+                                                                                  pT[vj, T.Ramp(vc * 32 + 16, 1, 16)])
+                                        dsa[vj, T.Ramp(vc * 16, 1, 16)] = bf16_row(dsT[vj, T.Ramp(vc * 32, 1, 16)],
+                                                                                   dsT[vj, T.Ramp(vc * 32 + 16, 1, 16)])
                                 with T.sblock("dv_amx"):  # dV += P^T . dO
-                                    T.reads(pa[0:BK, 0:BQ], P.doq[vb, vh, q0 // 2:q0 // 2 + BQ // 2, 0:D],
+                                    T.reads(pa[0:BK, 0:BQ // 2], P.doq[vb, vh, q0 // 2:q0 // 2 + BQ // 2, 0:D],
                                             dv_acc[0:BK, 0:D], cfg[0:64])
                                     T.writes(dv_acc[0:BK, 0:D])
                                     tile_gemm(lambda r, c: T.address_of(dv_acc[r, c]), D * 4,
-                                              lambda r, c: T.address_of(pa[r, c]), BQ * 2,
+                                              lambda r, c: T.address_of(pa[r, c // 2]), BQ * 2,
                                               lambda r, c: T.address_of(P.doq[vb, vh, q0 // 2 + r, c]),
                                               P.doq.strides[2] * 4, BK, D, BQ, True)
                                 with T.sblock("dk_amx"):  # dK += dS^T . Q
-                                    T.reads(dsa[0:BK, 0:BQ], P.qq[vb, vh, q0 // 2:q0 // 2 + BQ // 2, 0:D],
+                                    T.reads(dsa[0:BK, 0:BQ // 2], P.qq[vb, vh, q0 // 2:q0 // 2 + BQ // 2, 0:D],
                                             dk_acc[0:BK, 0:D], cfg[0:64])
                                     T.writes(dk_acc[0:BK, 0:D])
                                     tile_gemm(lambda r, c: T.address_of(dk_acc[r, c]), D * 4,
-                                              lambda r, c: T.address_of(dsa[r, c]), BQ * 2,
+                                              lambda r, c: T.address_of(dsa[r, c // 2]), BQ * 2,
                                               lambda r, c: T.address_of(P.qq[vb, vh, q0 // 2 + r, c]),
                                               P.qq.strides[2] * 4, BK, D, BQ, True)
                                 if fused:

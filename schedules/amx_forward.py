@@ -25,7 +25,7 @@ from ..spec import AttentionSpec
 from ..kernels.common import F32, NEG_INF, KernelArgs, Shape, fast_exp
 from ..kernels.forward import declare_forward_args
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
-from .amx import BF16, PAIR, amx, configure_tiles, pair_bits, pair_of_floats, tile_gemm
+from .amx import BF16, PAIR, amx, bf16_pairs, configure_tiles, pair_bits, tile_gemm
 
 
 def amx_supported(spec: AttentionSpec) -> bool:
@@ -184,10 +184,13 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                             with T.sblock("l_update"):
                                 vi = T.axis.remap("S", [i])
                                 l[vi] = l[vi] * alpha[vi] + ls[vi]
-                        for p, i in T.grid(BK // 2, BQ):
+                        for p, ic in T.grid(BK // 2, BQ // 16):
                             with T.sblock("pack_p"):
-                                vp, vi = T.axis.remap("SS", [p, i])
-                                pp[vp, vi] = pair_of_floats(pT[vp * 2, vi], pT[vp * 2 + 1, vi])
+                                vp, vic = T.axis.remap("SS", [p, ic])
+                                T.reads(pT[vp * 2:vp * 2 + 2, vic * 16:vic * 16 + 16])
+                                T.writes(pp[vp, vic * 16:vic * 16 + 16])
+                                pp[vp, T.Ramp(vic * 16, 1, 16)] = bf16_pairs(pT[vp * 2, T.Ramp(vic * 16, 1, 16)],
+                                                                             pT[vp * 2 + 1, T.Ramp(vic * 16, 1, 16)])
                         with T.sblock("pv_amx"):  # (P V)^T = V^T . P^T
                             T.reads(VT[vb, vhk, 0:D, k0:k0 + BK], pp[0:BK // 2, 0:BQ], cfg[0:64])
                             T.writes(pvT[0:D, 0:BQ])

@@ -32,12 +32,12 @@ DEFAULTS = {
 
 RULES = {
     **host.RULES,
-    # AMX forward: VNNI packs of Q (once per task) and of P (every kv-step), transposed acc
-    "pack_q": swap_and_vectorize, "pack_p": vectorize_inner,
+    # AMX forward: VNNI packs of Q (once per task); P's (pack_p) is written in vectors
+    "pack_q": swap_and_vectorize,
     "pack_k": vectorize_inner, "pack_vT": swap_and_vectorize,
-    # AMX backward: operand packs per call (kv_rows, q_rows) and per step (P^T, dS^T pairs)
+    # AMX backward: operand packs per call (the per-step ones are written in vectors)
     "pack_kv": vectorize_inner, "pack_kT": swap_and_vectorize, "pack_qd": swap_and_vectorize,
-    "pack_qq": vectorize_inner, "pack_pa": vectorize_inner, "pack_dsb": vectorize_inner,
+    "pack_qq": vectorize_inner,
 }
 
 
