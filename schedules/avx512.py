@@ -8,7 +8,8 @@ s_tir kernels on zmm FMAs. The rules come from `cpu_rules`, as for the host sche
 vector length, the extra AMX-side blocks and the knob defaults differ. Knobs (names as in
 `host.py`, values for a spec tuned into `tuning_logs/avx512/`):
 
-    block_q, block_k           generator parameters (AMX: multiples of 32 dividing AMX_KV_PAD)
+    block_q, block_k           forward generator parameters (AMX: multiples of 32 dividing AMX_KV_PAD)
+    bwd_block_q, bwd_block_k   the backward's
     <kernel>.<matmul>.rows     register-tile rows of each FMA matmul block
     <kernel>.<matmul>.vecs     zmm vectors per register-tile row
 """
@@ -23,7 +24,7 @@ AMX_KV_PAD = 128  # packed K / V^T rows per (batch, kv-head) are a multiple of t
 
 # 32 zmm registers: register tiles of up to 8 x 2 (or 4 x 4) accumulators
 DEFAULTS = {
-    "block_q": 64, "block_k": 64,
+    "block_q": 64, "block_k": 64, "bwd_block_q": 64, "bwd_block_k": 64,
     **{f"{k}.{m}.rows": 8 for k, m in (("forward", "qk"), ("forward", "pv"), ("backward_dq", "qk"),
                                       ("backward_dq", "dp"), ("backward_dq", "dq"))},
     **{f"{k}.{m}.rows": 8 for k in ("backward_dkdv", "backward_fused") for m in ("qk", "dp", "dv", "dk", "dq")},
@@ -52,11 +53,10 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
 
     funcs = host.kernels(spec, target, knobs)
     if has_amx(target) and amx_supported(spec):
-        bq, bk = knobs["block_q"], knobs["block_k"]
-        funcs["forward"] = forward_amx_kernel(spec, bq, bk, AMX_KV_PAD)
+        funcs["forward"] = forward_amx_kernel(spec, knobs["block_q"], knobs["block_k"], AMX_KV_PAD)
         funcs["forward_pack"] = forward_amx_pack_kernel(spec, AMX_KV_PAD)
         for plan in ("fused", "dkdv", "dq"):
-            funcs[f"backward_{plan}"] = backward_amx_kernel(spec, bq, bk, plan)
+            funcs[f"backward_{plan}"] = backward_amx_kernel(spec, knobs["bwd_block_q"], knobs["bwd_block_k"], plan)
         funcs["backward_pack"] = backward_amx_pack_kernel(spec, AMX_KV_PAD)
     return funcs
 

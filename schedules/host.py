@@ -4,7 +4,8 @@ Parallelism is in the kernels themselves (one task per (batch, head, block)); th
 kernels' named blocks to rules from `cpu_rules`. Every kernel names the same kind of block the
 same way, so one table serves the forward and the three backward kernels. Knobs:
 
-    block_q, block_k           generator parameters: query / key rows per tile (algorithmic)
+    block_q, block_k           generator parameters of the forward: query / key rows per tile
+    bwd_block_q, bwd_block_k   the same for the backward kernels
     <kernel>.<matmul>.rows     rows of the register tile of each matmul block
     <kernel>.<matmul>.vecs     vectors per row of that tile
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 from .cpu_rules import register_tile, swap_and_vectorize, vectorize_inner
 from .knobs import Knobs
 
-DEFAULTS = {"block_q": 64, "block_k": 64}
+DEFAULTS = {"block_q": 64, "block_k": 64, "bwd_block_q": 64, "bwd_block_k": 64}
 
 RULES = {
     # transposing loads and per-query reductions over S^T tiles
@@ -59,9 +60,9 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
     from ..kernels.backward import backward_delta_kernel, backward_dkdv_kernel, backward_dq_kernel
     from ..kernels.forward import forward_kernel
 
-    bq, bk = knobs["block_q"], knobs["block_k"]
+    bq, bk = knobs["bwd_block_q"], knobs["bwd_block_k"]
     return {
-        "forward": forward_kernel(spec, bq, bk),
+        "forward": forward_kernel(spec, knobs["block_q"], knobs["block_k"]),
         "backward_delta": backward_delta_kernel(spec, bq),
         "backward_dkdv": backward_dkdv_kernel(spec, bq, bk),
         "backward_dq": backward_dq_kernel(spec, bq, bk),

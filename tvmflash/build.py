@@ -139,21 +139,22 @@ def module_key(spec: AttentionSpec, target: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
-def build_module(spec: AttentionSpec, target: dict, knobs: dict | None = None):
+def build_module(spec: AttentionSpec, target: dict, knobs: dict | None = None, only: tuple | None = None):
     """Generate, schedule and compile every kernel of `spec` for `target` into one module;
-    `knobs` override the tuned/default ones (tuning candidates)."""
+    `knobs` override the tuned/default ones (tuning candidates); `only` keeps the CPU kernels
+    of those names (a tuning phase's)."""
     if target["kind"] == "cuda":
         return _build_cuda(spec, target, knobs)
-    return _build_cpu(spec, target, knobs)
+    return _build_cpu(spec, target, knobs, only)
 
 
-def _build_cpu(spec: AttentionSpec, target: dict, knobs: dict | None = None):
+def _build_cpu(spec: AttentionSpec, target: dict, knobs: dict | None = None, only: tuple | None = None):
     tvm = _tvm()
     from .schedules import cpu_schedule
 
     schedule = cpu_schedule(target)
     knobs = {**schedule.DEFAULTS, **tuned_knobs(_tuning_kind(target), spec), **(knobs or {})}
-    funcs = schedule.kernels(spec, target, knobs)
+    funcs = {name: f for name, f in schedule.kernels(spec, target, knobs).items() if only is None or name in only}
     sch = tvm.s_tir.Schedule(tvm.IRModule(funcs))
     for kernel in funcs:
         schedule.schedule(sch, kernel, target, knobs)

@@ -167,6 +167,14 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic)
     if q.device.type == "cuda":
         _backward_cuda(kern, dout, q, k, v, out, lse, dlse, masks, scale, deterministic, dq, dk, dv)
         return dq, dk, dv
+    _backward_cpu(kern, dout, q, k, v, out, lse, dlse, masks, scale, dq, dk, dv)
+    return dq, dk, dv
+
+
+def _backward_cpu(kern, dout, q, k, v, out, lse, dlse, masks, scale, dq, dk, dv):
+    """delta; then the fused or the split plan (backward_plan), on AMX packs where the module
+    has them."""
+    B, H, Lq, _ = q.shape
     delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
     kern["backward_delta"](out, dout, delta)
     if dlse is not None:
@@ -181,7 +189,6 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic)
     else:
         kern["backward_dkdv"](*inputs, dk, dv, scale, *masks, *packs)
         kern["backward_dq"](*inputs, dq, scale, *masks, *packs)
-    return dq, dk, dv
 
 
 def _amx_backward_packs(kern: dict, q, k, v, dout) -> tuple:
