@@ -40,6 +40,11 @@ def modified(score: ScorePipeline, s, ix: ScoreIndex):
     return s
 
 
+def probabilities(s, scale, m, key_inside):
+    """exp(s * scale - m) of 16 queries (vectors), 0 for a padded key."""
+    return tirx.Select(key_inside, fast_exp(s * scale - m, 16), tirx.Broadcast(tirx.const(0.0, F32), 16))
+
+
 def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int) -> tirx.PrimFunc:
     """kp[b, h, j, d] = K (0 past Lk), vt[b, h, d, j] = V^T (0 past Lk), j < padded length."""
     D = spec.head_dim
@@ -90,6 +95,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
     LKP = tirx.Var("seqlen_k_padded", "int64")
     packed = KernelArgs()
+    has_mods = bool(spec.modifiers())
 
     def declare():
         q, k, v, o, lse, scale, score = declare_forward_args(spec, shape)
@@ -139,13 +145,11 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                     with T.sblock("kv_step"):
                         vkb = T.axis.opaque((LK + BK - 1) // BK, kb)
                         sT = T.sblock_alloc_buffer((BK, BQ), F32)
-                        sc = T.sblock_alloc_buffer((BK, BQ), F32)
-                        pT = T.sblock_alloc_buffer((BK, BQ), F32)
+                        sc = T.sblock_alloc_buffer((BK, BQ), F32)  # modified scores (specs with modifiers)
                         pp = T.sblock_alloc_buffer((BK // 2, BQ), PAIR)
                         mn = T.sblock_alloc_buffer((BQ,), F32)
                         alpha = T.sblock_alloc_buffer((BQ,), F32)
                         ls = T.sblock_alloc_buffer((BQ,), F32)
-                        pvT = T.sblock_alloc_buffer((D, BQ), F32)
                         k0 = T.meta_var(vkb * BK)
                         with T.sblock("qk_amx"):  # S^T = K rows . Q^T
                             T.reads(KP[vb, vhk, k0:k0 + BK, 0:D], qp[0:D // 2, 0:BQ], cfg[0:64])
@@ -153,55 +157,56 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                             tile_gemm(lambda r, c: T.address_of(sT[r, c]), BQ * 4,
                                       lambda r, c: T.address_of(KP[vb, vhk, k0 + r, c]), kp_row,
                                       lambda r, c: T.address_of(qp[r, c]), BQ * 4, BK, BQ, D, False)
-                        for j, i in T.grid(BK, BQ):
-                            with T.sblock("score"):
-                                vj, vi = T.axis.remap("SS", [j, i])
-                                sc[vj, vi] = T.Select(k0 + vj < LK, modified(
-                                    score, sT[vj, vi] * scale,
-                                    ScoreIndex(vb, vh, T.min(q0 + vi, LQ - 1), T.min(k0 + vj, LK - 1))), NEG_INF)
+                        if has_mods:  # modified scores, -inf past Lk
+                            for j, i in T.grid(BK, BQ):
+                                with T.sblock("score"):
+                                    vj, vi = T.axis.remap("SS", [j, i])
+                                    sc[vj, vi] = T.Select(k0 + vj < LK, modified(
+                                        score, sT[vj, vi] * scale,
+                                        ScoreIndex(vb, vh, T.min(q0 + vi, LQ - 1), T.min(k0 + vj, LK - 1))), NEG_INF)
+                        # without modifiers the raw scores in sT are scaled in the passes below
+                        src, src_scale = T.meta_var((sc, T.float32(1)) if has_mods else (sT, scale))
                         for i, j in T.grid(BQ, BK):
                             with T.sblock("rowmax"):
                                 vi, vj = T.axis.remap("SR", [i, j])
                                 with T.init():
                                     mn[vi] = T.min_value(F32)
-                                mn[vi] = T.max(mn[vi], sc[vj, vi])
+                                mn[vi] = T.max(mn[vi], T.Select(k0 + vj < LK, src[vj, vi] * src_scale, NEG_INF))
                         for i in T.serial(BQ):
                             with T.sblock("alpha"):
                                 vi = T.axis.remap("S", [i])
                                 alpha[vi] = fast_exp(m[vi] - T.max(m[vi], mn[vi]))
                                 m[vi] = T.max(m[vi], mn[vi])
-                        for j, i in T.grid(BK, BQ):
-                            with T.sblock("p"):
-                                vj, vi = T.axis.remap("SS", [j, i])
-                                pT[vj, vi] = fast_exp(sc[vj, vi] - m[vi])
-                        for i, j in T.grid(BQ, BK):
-                            with T.sblock("rowsum"):
-                                vi, vj = T.axis.remap("SR", [i, j])
-                                with T.init():
-                                    ls[vi] = T.float32(0)
-                                ls[vi] = ls[vi] + pT[vj, vi]
+                                ls[vi] = T.float32(0)
+                        # P (two key rows at a time, 16 queries per vector): exp, row sums and
+                        # the VNNI pairs of the P.V operand in one pass, in vectors
+                        for p, ic in T.grid(BK // 2, BQ // 16):
+                            with T.sblock("softmax_pack"):
+                                vp = T.axis.opaque(BK // 2, p)
+                                vic = T.axis.opaque(BQ // 16, ic)
+                                T.reads(src[vp * 2:vp * 2 + 2, vic * 16:vic * 16 + 16], m[vic * 16:vic * 16 + 16],
+                                        ls[vic * 16:vic * 16 + 16])
+                                T.writes(pp[vp, vic * 16:vic * 16 + 16], ls[vic * 16:vic * 16 + 16])
+                                cols = T.meta_var(T.Ramp(vic * 16, 1, 16))
+                                e0 = probabilities(src[vp * 2, cols], src_scale, m[cols], k0 + vp * 2 < LK)
+                                e1 = probabilities(src[vp * 2 + 1, cols], src_scale, m[cols], k0 + vp * 2 + 1 < LK)
+                                pp[vp, cols] = bf16_pairs(e0, e1)
+                                ls[cols] = ls[cols] + e0 + e1
                         for i in T.serial(BQ):
                             with T.sblock("l_update"):
                                 vi = T.axis.remap("S", [i])
                                 l[vi] = l[vi] * alpha[vi] + ls[vi]
-                        for p, ic in T.grid(BK // 2, BQ // 16):
-                            with T.sblock("pack_p"):
-                                vp, vic = T.axis.remap("SS", [p, ic])
-                                T.reads(pT[vp * 2:vp * 2 + 2, vic * 16:vic * 16 + 16])
-                                T.writes(pp[vp, vic * 16:vic * 16 + 16])
-                                pp[vp, T.Ramp(vic * 16, 1, 16)] = bf16_pairs(pT[vp * 2, T.Ramp(vic * 16, 1, 16)],
-                                                                             pT[vp * 2 + 1, T.Ramp(vic * 16, 1, 16)])
-                        with T.sblock("pv_amx"):  # (P V)^T = V^T . P^T
-                            T.reads(VT[vb, vhk, 0:D, k0:k0 + BK], pp[0:BK // 2, 0:BQ], cfg[0:64])
-                            T.writes(pvT[0:D, 0:BQ])
-                            tile_gemm(lambda r, c: T.address_of(pvT[r, c]), BQ * 4,
-                                      lambda r, c: T.address_of(VT[vb, vhk, r, k0 + c]), vt_row,
-                                      lambda r, c: T.address_of(pp[r, c]), BQ * 4, D, BQ, BK, False)
                         for d in T.serial(D):
-                            for i in T.vectorized(BQ):
-                                with T.sblock("acc_update"):
+                            for i in T.vectorized(BQ):  # in place: vectorised here, not by a rule
+                                with T.sblock("rescale"):
                                     vd, vi = T.axis.remap("SS", [d, i])
-                                    accT[vd, vi] = accT[vd, vi] * alpha[vi] + pvT[vd, vi]
+                                    accT[vd, vi] = accT[vd, vi] * alpha[vi]
+                        with T.sblock("pv_amx"):  # O^T += V^T . P^T
+                            T.reads(VT[vb, vhk, 0:D, k0:k0 + BK], pp[0:BK // 2, 0:BQ], accT[0:D, 0:BQ], cfg[0:64])
+                            T.writes(accT[0:D, 0:BQ])
+                            tile_gemm(lambda r, c: T.address_of(accT[r, c]), BQ * 4,
+                                      lambda r, c: T.address_of(VT[vb, vhk, r, k0 + c]), vt_row,
+                                      lambda r, c: T.address_of(pp[r, c]), BQ * 4, D, BQ, BK, True)
                 with T.sblock("tile_release"):
                     T.reads()
                     T.writes()
