@@ -149,6 +149,28 @@ def test_sdpa_masks(kind, dtype, causal, lq, lk):
         check_against_reference(q, k, v, dout, run, causal="top_left" if causal else "none", mask=mask)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("lq,lk", [(1, 1), (1, 300), (5, 2049), (16, 130)], ids=lambda x: str(x))
+def test_decode_split_kv(dtype, lq, lk, monkeypatch):
+    """Lq <= 16 takes the split-KV forward (ops._forward_split): few heads, so the keys are cut
+    into several splits; top-left causal leaves most splits without a visible key, bottom-right
+    gives every query the whole cache; a boolean mask hides a whole row."""
+    from tvmflash import ops
+
+    calls = []
+    split = ops._forward_split
+    monkeypatch.setattr(ops, "_forward_split", lambda *a: calls.append(a) or split(*a))
+    q, k, v, dout = make(1, 2, 1, lq, lk, 64, DTYPES[dtype])
+    for causal in ("top_left", "bottom_right", "none"):
+        check_against_reference(q, k, v, dout, lambda q, k, v: torch.ops.tvmflash.attention_forward(
+            q, k, v, None, 64 ** -0.5, causal), causal=causal)
+    mask = torch.rand(1, 1, lq, lk, generator=torch.Generator().manual_seed(lq)) > 0.3
+    mask[..., 0, :] = False
+    check_against_reference(q, k, v, dout, lambda q, k, v: torch.ops.tvmflash.attention_forward(
+        q, k, v, mask, 64 ** -0.5, "none"), causal="none", mask=mask)
+    assert len(calls) == 8  # two forwards (fused and split backward plans) per check
+
+
 def test_fully_masked_rows_give_zero_output_and_finite_grads():
     q, k, v, dout = make(1, 2, 2, 5, 7, 32, torch.float32)
     mask = torch.zeros(5, 7, dtype=torch.bool)

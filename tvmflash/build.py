@@ -33,7 +33,8 @@ from .cpu import request_amx, runs_avx512_amx
 from .spec import AttentionSpec
 from .tuning import tuned_knobs
 
-CPU_KERNELS = ("forward", "backward_delta", "backward_dkdv", "backward_dq", "backward_fused")
+CPU_KERNELS = ("forward", "forward_split", "forward_combine", "backward_delta", "backward_dkdv", "backward_dq",
+               "backward_fused")
 CPU_OPTIONAL_KERNELS = ("forward_pack", "backward_pack")  # AMX: operand packing
 CUDA_KERNELS = ("forward", "backward_prep", "backward_dkdv_dq", "backward_dq_convert", "backward_dkdv",
                 "backward_dq")
