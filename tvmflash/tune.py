@@ -195,9 +195,12 @@ def _time_one(kern: dict, spec: AttentionSpec, seqlen: int, backward: bool) -> f
     return start.elapsed_time(end) / 20
 
 
+CPU_SAMPLES, CPU_SAMPLE_S = 3, 0.1  # a CPU candidate's time: median of this many samples of >= this long
+
+
 def _time_one_cpu(kern: dict, spec: AttentionSpec, seqlen: int, backward: bool) -> float:
     """Milliseconds per call of the forward (with its packs), or of the backward (delta, the
-    planned dK/dV/dQ kernels, packs): the median of 3 samples of >= 0.1 s after a warm-up call."""
+    planned dK/dV/dQ kernels, packs): the median of CPU_SAMPLES samples after a warm-up call."""
     import statistics
     import time as clock
 
@@ -223,9 +226,9 @@ def _time_one_cpu(kern: dict, spec: AttentionSpec, seqlen: int, backward: bool) 
 
     start = clock.perf_counter()
     call()
-    iters = max(1, int(0.1 / max(clock.perf_counter() - start, 1e-6)))
+    iters = max(1, int(CPU_SAMPLE_S / max(clock.perf_counter() - start, 1e-6)))
     samples = []
-    for _ in range(3):
+    for _ in range(CPU_SAMPLES):
         start = clock.perf_counter()
         for _ in range(iters):
             call()
