@@ -84,3 +84,13 @@ def test_record_writes_each_targets_log(tmp_path, monkeypatch):
     tune.record(tmp_path)
     assert json.loads((logs / "avx512" / "knobs.json").read_text()) == {spec.name: {"bwd_block_q": 128}}
     assert json.loads((logs / "cuda" / "knobs.json").read_text()) == {spec.name: {"block_m": 64}}
+
+
+def test_cpu_specs_without_a_record_take_the_plain_specs():
+    from tvmflash.tuning import tuned_knobs
+
+    plain = tuned_knobs("avx512", AttentionSpec("bfloat16", 64))
+    assert plain  # tuning_logs/avx512/knobs.json holds the benchmark specs
+    assert tuned_knobs("avx512", AttentionSpec("bfloat16", 64, causal="bottom_right", mask="bool")) == plain
+    assert tuned_knobs("avx512", AttentionSpec("bfloat16", 80)) == {}  # other head dims: defaults
+    assert tuned_knobs("cuda", AttentionSpec("bfloat16", 64, mask="bool")) == {}  # CUDA: exact records only

@@ -29,7 +29,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from ._paths import PACKAGE_DIR, SCHEDULES_DIR
-from .cpu import request_amx, runs_avx512_amx
+from .cpu import request_amx, runs_avx512_amx, use_torch_threads
 from .spec import AttentionSpec
 from .tuning import tuned_knobs
 
@@ -45,13 +45,15 @@ _lock = threading.Lock()
 
 def _tvm():
     """Import TVM with a thread pool that cooperates with torch's: as many threads as torch
-    uses, and no pinning (TVM's default pins the calling thread, which torch's OpenMP workers
-    then inherit)."""
+    uses, no pinning (TVM's default pins the calling thread, which torch's OpenMP workers then
+    inherit), no busy-waiting after a launch. (CPU modules normally run on torch's own threads
+    instead: cpu.use_torch_threads.)"""
     if "tvm" not in sys.modules:
         import torch
 
         os.environ.setdefault("TVM_NUM_THREADS", str(torch.get_num_threads()))
         os.environ.setdefault("TVM_BIND_THREADS", "0")
+        os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
     import tvm
 
     return tvm
@@ -266,7 +268,10 @@ def _is_intact(lib: Path) -> bool:
 def _load(lib: Path, target: dict):
     if target["kind"] == "cuda":
         _load_cuda_runtime()
-    return _tvm().runtime.load_module(str(lib))
+        return _tvm().runtime.load_module(str(lib))
+    module = _tvm().runtime.load_module(str(lib))
+    use_torch_threads(str(lib), str(cache_dir()))  # parallel loops on torch's OpenMP threads
+    return module
 
 
 def _write_atomic(path: Path, write) -> None:

@@ -1,7 +1,8 @@
 """Tuned knob values per target and spec, read from `tuning_logs/<target>/knobs.json`.
 
 The file maps a spec name (AttentionSpec.name) to knob values (see schedules/host.py for the
-knob names); a spec without an entry uses the schedule's defaults.
+knob names); a spec without an entry uses the schedule's defaults (on CPUs, first the entry of
+the plain spec with the same dtype and head dim).
 """
 from __future__ import annotations
 
@@ -19,4 +20,9 @@ def _records(target_kind: str) -> dict:
 
 
 def tuned_knobs(target_kind: str, spec: AttentionSpec) -> dict:
-    return dict(_records(target_kind).get(spec.name, {}))
+    """The record of `spec`; on CPUs a spec without one (causal, masked) takes the record of
+    the plain spec with its dtype and head dim (same kernels, same tile shapes)."""
+    records = _records(target_kind)
+    if spec.name not in records and target_kind != "cuda":
+        return dict(records.get(AttentionSpec(spec.dtype, spec.head_dim).name, {}))
+    return dict(records.get(spec.name, {}))
