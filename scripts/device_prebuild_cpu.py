@@ -15,6 +15,7 @@ os.environ.setdefault("TVMFLASH_CACHE_DIR", str(ROOT / ".devcache" / "cpu"))
 
 from test_avx512 import MASK_CASES, SPECS  # noqa: E402
 from tvmflash import build  # noqa: E402
+from tvmflash.cpu import torch_thread_launcher  # noqa: E402
 from tvmflash.spec import AttentionSpec  # noqa: E402
 
 NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -25,4 +26,5 @@ specs |= {AttentionSpec(dt, d) for dt in ("float32", "bfloat16") for d in (64, 1
 start = time.time()
 for spec in sorted(specs, key=lambda s: s.name):
     build.build_cached(spec, build.AVX512_TARGET)
+torch_thread_launcher(str(build.cache_dir()))  # the OpenMP launcher too (the Xeon may lack a C compiler)
 print(f"{len(specs)} specs in {build.cache_dir()} ({time.time() - start:.0f} s)")

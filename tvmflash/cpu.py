@@ -104,7 +104,8 @@ def torch_thread_launcher(cache_dir: str):
     gomp = _loaded_libgomp()
     if os.environ.get("TVMFLASH_THREADS", "torch") == "tvm" or gomp is None:
         return None
-    tag = hashlib.sha256((_LAUNCHER_C + gomp).encode()).hexdigest()[:12]
+    # linked by soname: the library serves any environment whose torch loads a libgomp.so.1
+    tag = hashlib.sha256((_LAUNCHER_C + Path(gomp).name).encode()).hexdigest()[:12]
     lib = Path(cache_dir) / "launcher" / f"omp-launcher-{tag}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
