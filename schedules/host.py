@@ -6,7 +6,7 @@ same way, so one table serves the forward and the three backward kernels. Knobs:
 
     block_q, block_k           generator parameters of the forward: query / key rows per tile
     bwd_block_q, bwd_block_k   the same for the backward kernels
-    (the split-KV forward for decode has SPLIT_BLOCK_Q queries and block_k keys per tile)
+    (the split-KV forward for decode: SPLIT_BLOCK_Q queries and 64 keys per tile, fixed)
     <kernel>.<matmul>.rows     rows of the register tile of each matmul block
     <kernel>.<matmul>.vecs     vectors per row of that tile
 
@@ -17,8 +17,10 @@ from __future__ import annotations
 from .cpu_rules import register_tile, swap_and_vectorize, vectorize_inner
 from .knobs import Knobs
 
-DEFAULTS = {"block_q": 64, "block_k": 64, "bwd_block_q": 64, "bwd_block_k": 64}
-SPLIT_BLOCK_Q = 16  # the split-KV forward serves Lq <= this (decode); one zmm of queries
+DEFAULTS = {"block_q": 64, "block_k": 64, "bwd_block_q": 64, "bwd_block_k": 64,
+            "forward_split.qk.rows": 8}  # S^T rows of the split forward: 8 chains of narrow FMAs
+SPLIT_MAX_Q = 16  # the split-KV forward serves Lq <= this (decode), in q-blocks of SPLIT_BLOCK_Q
+SPLIT_BLOCK_Q = 4
 
 RULES = {
     # transposing loads and per-query reductions over S^T tiles
@@ -65,7 +67,7 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
     bq, bk = knobs["bwd_block_q"], knobs["bwd_block_k"]
     return {
         "forward": forward_kernel(spec, knobs["block_q"], knobs["block_k"]),
-        "forward_split": forward_kernel(spec, SPLIT_BLOCK_Q, knobs["block_k"], kv_split=True),
+        "forward_split": forward_kernel(spec, SPLIT_BLOCK_Q, 64, kv_split=True),
         "forward_combine": forward_combine_kernel(spec),
         "backward_delta": backward_delta_kernel(spec, bq),
         "backward_dkdv": backward_dkdv_kernel(spec, bq, bk),

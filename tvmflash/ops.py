@@ -109,9 +109,9 @@ def _forward(q, k, v, mask, scale, causal):
         return out, lse
     kern = _kernels(spec_for(q, mask, causal), q.device)
     masks = _mask_args(mask, (B, H, Lq, Lk))
-    from .schedules.host import SPLIT_BLOCK_Q
+    from .schedules.host import SPLIT_MAX_Q
 
-    if "forward_split" in kern and Lq <= SPLIT_BLOCK_Q:
+    if "forward_split" in kern and Lq <= SPLIT_MAX_Q:
         _forward_split(kern, q, k, v, out, lse, scale, masks)
         return out, lse
     with _on_stream(q.device):
@@ -123,7 +123,7 @@ def _forward_split(kern: dict, q, k, v, out, lse, scale, masks) -> None:
     """Decode-like calls (few queries) on the CPU: the keys are cut into splits so that about
     two tasks per thread stream the cache, then the partial results are merged."""
     B, H, Lq, D = q.shape
-    kv_blocks = -(-k.shape[2] // 64)  # about the kernel's (empty splits would only cost a task)
+    kv_blocks = -(-k.shape[2] // 64)  # the kernel's (schedules/host.py)
     splits = max(1, min(kv_blocks, -(-2 * torch.get_num_threads() // (B * H))))
     o_part = torch.empty((B, H, splits, Lq, D), dtype=torch.float32)
     lse_part = torch.empty((B, H, splits, Lq), dtype=torch.float32)
