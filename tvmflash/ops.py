@@ -140,9 +140,16 @@ def _amx_packs(kern: dict, k: torch.Tensor, v: torch.Tensor) -> tuple:
     B, Hk, Lk, D = k.shape
     Lp = -(-Lk // pad) * pad
     kp = torch.empty((B, Hk, Lp, D), dtype=k.dtype)
-    vt = torch.empty((B, Hk, D, Lp), dtype=v.dtype)
+    vt = _tile_rows((B, Hk, D, Lp), v.dtype)
     kern["forward_pack"](k, v, kp, vt)
     return kp, vt
+
+
+def _tile_rows(shape: tuple, dtype) -> torch.Tensor:
+    """An empty tensor whose rows (a tile operand's, read 16 at a time) are 64 bytes longer than
+    `shape` says: rows a power of two of bytes apart would all fall into one L1 cache set."""
+    extra = 64 // torch.empty((), dtype=dtype).element_size()
+    return torch.empty(shape[:-1] + (shape[-1] + extra,), dtype=dtype)[..., :shape[-1]]
 
 
 @attention_forward.register_fake
@@ -201,8 +208,8 @@ def _backward_cpu(kern, dout, q, k, v, out, lse, dlse, masks, scale, dq, dk, dv)
     packs = _amx_backward_packs(kern, q, k, v, dout)
     if backward_plan(B, k.shape[1]) == "fused":
         # fp32 dQ scratch: (B, H, D, Lq padded) = dQ^T on the AMX path, else dQ's shape
-        acc_shape = (B, H, q.shape[3], packs[3].shape[3]) if packs else q.shape
-        dq_acc = torch.empty(acc_shape, dtype=torch.float32)
+        dq_acc = _tile_rows((B, H, q.shape[3], packs[3].shape[3]), torch.float32) if packs else \
+            torch.empty(q.shape, dtype=torch.float32)
         kern["backward_fused"](*inputs, dk, dv, dq, dq_acc, scale, *masks, *packs)
     else:
         kern["backward_dkdv"](*inputs, dk, dv, scale, *masks, *packs)
@@ -220,8 +227,8 @@ def _amx_backward_packs(kern: dict, q, k, v, dout) -> tuple:
     Hk, Lk = k.shape[1], k.shape[2]
     Lqp, Lkp = -(-Lq // pad) * pad, -(-Lk // pad) * pad
     rows = [torch.empty((B, Hk, Lkp, D), dtype=k.dtype) for _ in range(2)]
-    kt = torch.empty((B, Hk, D, Lkp), dtype=k.dtype)
-    over_d = [torch.empty((B, H, D // 2, Lqp), dtype=torch.uint32) for _ in range(2)]
+    kt = _tile_rows((B, Hk, D, Lkp), k.dtype)
+    over_d = [_tile_rows((B, H, D // 2, Lqp), torch.uint32) for _ in range(2)]
     over_q = [torch.empty((B, H, Lqp // 2, D), dtype=torch.uint32) for _ in range(2)]
     packs = (*rows, kt, *over_d, *over_q)
     kern["backward_pack"](q, k, v, dout, *packs)
