@@ -24,7 +24,7 @@ AMX_KV_PAD = 128  # packed K / V^T rows per (batch, kv-head) are a multiple of t
 
 # 32 zmm registers: register tiles of up to 8 x 2 (or 4 x 4) accumulators
 DEFAULTS = {
-    "block_q": 64, "block_k": 64, "bwd_block_q": 64, "bwd_block_k": 64, "forward_split.qk.rows": 8,
+    "block_q": 64, "block_k": 64, "bwd_block_q": 64, "bwd_block_k": 64,
     **{f"{k}.{m}.rows": 8 for k, m in (("forward", "qk"), ("forward", "pv"), ("backward_dq", "qk"),
                                       ("backward_dq", "dp"), ("backward_dq", "dq"))},
     **{f"{k}.{m}.rows": 8 for k in ("backward_dkdv", "backward_fused") for m in ("qk", "dp", "dv", "dk", "dq")},

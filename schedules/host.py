@@ -6,7 +6,7 @@ same way, so one table serves the forward and the three backward kernels. Knobs:
 
     block_q, block_k           generator parameters of the forward: query / key rows per tile
     bwd_block_q, bwd_block_k   the same for the backward kernels
-    (the split-KV forward for decode: SPLIT_BLOCK_Q queries and 64 keys per tile, fixed)
+    (the split-KV forward for decode, kernels/decode.py, has no knobs: SPLIT_BLOCK_Q queries)
     <kernel>.<matmul>.rows     rows of the register tile of each matmul block
     <kernel>.<matmul>.vecs     vectors per row of that tile
 
@@ -17,10 +17,9 @@ from __future__ import annotations
 from .cpu_rules import register_tile, swap_and_vectorize, vectorize_inner
 from .knobs import Knobs
 
-DEFAULTS = {"block_q": 64, "block_k": 64, "bwd_block_q": 64, "bwd_block_k": 64,
-            "forward_split.qk.rows": 8}  # S^T rows of the split forward: 8 chains of narrow FMAs
+DEFAULTS = {"block_q": 64, "block_k": 64, "bwd_block_q": 64, "bwd_block_k": 64}
 SPLIT_MAX_Q = 16  # the split-KV forward serves Lq <= this (decode), in q-blocks of SPLIT_BLOCK_Q
-SPLIT_BLOCK_Q = 4
+SPLIT_BLOCK_Q = 1  # one query per task: Lq x splits tasks per head
 
 RULES = {
     # transposing loads and per-query reductions over S^T tiles
@@ -62,12 +61,13 @@ def block_names(sch) -> list[str]:
 def kernels(spec, target: dict, knobs: dict) -> dict:
     """Name -> PrimFunc of every kernel of `spec`'s module (the generic s_tir kernels)."""
     from ..kernels.backward import backward_delta_kernel, backward_dkdv_kernel, backward_dq_kernel
-    from ..kernels.forward import forward_combine_kernel, forward_kernel
+    from ..kernels.decode import forward_combine_kernel, forward_split_kernel
+    from ..kernels.forward import forward_kernel
 
     bq, bk = knobs["bwd_block_q"], knobs["bwd_block_k"]
     return {
         "forward": forward_kernel(spec, knobs["block_q"], knobs["block_k"]),
-        "forward_split": forward_kernel(spec, SPLIT_BLOCK_Q, 64, kv_split=True),
+        "forward_split": forward_split_kernel(spec, SPLIT_BLOCK_Q),
         "forward_combine": forward_combine_kernel(spec),
         "backward_delta": backward_delta_kernel(spec, bq),
         "backward_dkdv": backward_dkdv_kernel(spec, bq, bk),

@@ -7,10 +7,7 @@ transposed, once per task. Q is pre-scaled, so `qk` yields scale * q.k directly.
 
 Outputs: O (any strides, head dim unit-stride) and lse = m + log(l) (natural log, fp32);
 a query that sees no key gets O = 0 and lse = -inf.
-
-Split-KV (`kv_split=True`, for decode: few queries, long caches): each (batch, head, q-block)
-is cut into `splits` tasks over consecutive ranges of its kv-blocks, each writing a normalised
-partial O and its lse in fp32; `forward_combine` then merges the splits (lse-weighted).
+The split-KV forward for decode (few queries) is in decode.py.
 How these blocks map to a CPU is in schedules/ (block names are that interface).
 """
 from __future__ import annotations
@@ -44,33 +41,28 @@ def declare_forward_args(spec: AttentionSpec, shape: Shape, splits: tirx.Var | N
     return q, k, v, o, lse, scale, ScorePipeline(spec.modifiers(), args, shape)
 
 
-def forward_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 64, kv_split: bool = False) -> tirx.PrimFunc:
-    D, BQ, BK = spec.head_dim, block_q, block_k
+def forward_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 64) -> tirx.PrimFunc:
+    D, BQ, BK, dt = spec.head_dim, block_q, block_k, spec.dtype
     shape = Shape.fresh()
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
-    S = tirx.Var("splits", "int64") if kv_split else tirx.IntImm("int64", 1)
 
     @T.prim_func(s_tir=True)
     def fwd():
         T.func_attr({"tirx.noalias": True})
-        Q, K, V, O, LSE, scale, score = T.meta_var(declare_forward_args(spec, shape, S if kv_split else None))
+        Q, K, V, O, LSE, scale, score = T.meta_var(declare_forward_args(spec, shape))
         NQB = T.meta_var((LQ + BQ - 1) // BQ)
-        for t in T.parallel(B * H * NQB * S):
+        for t in T.parallel(B * H * NQB):
             with T.sblock("tile"):
-                vb = T.axis.spatial(B, t // (H * NQB * S))
-                vh = T.axis.spatial(H, t // (NQB * S) % H)
-                vqb = T.axis.spatial(NQB, t // S % NQB)
-                vs = T.axis.spatial(S, t % S)
+                vb = T.axis.spatial(B, t // (H * NQB))
+                vh = T.axis.spatial(H, t // NQB % H)
+                vqb = T.axis.spatial(NQB, t % NQB)
                 qT = T.sblock_alloc_buffer((D, BQ), F32)
                 m = T.sblock_alloc_buffer((BQ,), F32)
                 l = T.sblock_alloc_buffer((BQ,), F32)
                 acc = T.sblock_alloc_buffer((BQ, D), F32)
                 vhk = T.meta_var(vh // (H // HK))
                 q0 = T.meta_var(vqb * BQ)
-                kb_first, kb_end = T.meta_var(score.kv_blocks(q0, T.min(q0 + BQ, LQ), BK))
-                per_split = T.meta_var((kb_end - kb_first + S - 1) // S)  # this task: split vs of them
-                kb_lo = T.meta_var(T.min(kb_first + vs * per_split, kb_end))
-                kb_hi = T.meta_var(T.min(kb_lo + per_split, kb_end))
+                kb_lo, kb_hi = T.meta_var(score.kv_blocks(q0, T.min(q0 + BQ, LQ), BK))
                 for i, d in T.grid(BQ, D):
                     with T.sblock("load_qT"):
                         vi, vd = T.axis.remap("SS", [i, d])
@@ -157,75 +149,16 @@ def forward_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 64, kv
                                 with T.sblock("acc_update"):
                                     vi, vd = T.axis.remap("SS", [i, d])
                                     acc[vi, vd] = acc[vi, vd] * alpha[vi] + pv[vi, vd]
-                lse_at, o_at = T.meta_var((lambda i: (vb, vh, vs, q0 + i), lambda i, d: (vb, vh, vs, q0 + i, d))
-                                          if kv_split else (lambda i: (vb, vh, q0 + i), lambda i, d: (vb, vh, q0 + i, d)))
                 for i in T.serial(BQ):
                     with T.sblock("store_lse"):
                         vi = T.axis.remap("S", [i])
                         T.where(q0 + i < LQ)
-                        LSE[lse_at(vi)] = T.Select(l[vi] > T.float32(0), m[vi] + T.log(l[vi]), NEG_INF)
+                        LSE[vb, vh, q0 + vi] = T.Select(l[vi] > T.float32(0), m[vi] + T.log(l[vi]), NEG_INF)
                 for i, d in T.grid(BQ, D):
                     with T.sblock("store_o"):
                         vi, vd = T.axis.remap("SS", [i, d])
                         T.where(q0 + i < LQ)
-                        O[o_at(vi, vd)] = T.Cast(
-                            O.dtype, T.Select(l[vi] > T.float32(0), acc[vi, vd] / l[vi], T.float32(0)))
+                        O[vb, vh, q0 + vi, vd] = T.Cast(
+                            dt, T.Select(l[vi] > T.float32(0), acc[vi, vd] / l[vi], T.float32(0)))
 
-    return fwd.with_attr("global_symbol", "forward_split" if kv_split else "forward")
-
-
-def forward_combine_kernel(spec: AttentionSpec) -> tirx.PrimFunc:
-    """O and lse of a split-KV forward from its partials: lse = log sum_s exp(lse_s), O = sum_s
-    exp(lse_s - lse) O_s; a query no split saw gets O = 0, lse = -inf."""
-    D, dt = spec.head_dim, spec.dtype
-    shape = Shape.fresh()
-    B, H, LQ = shape.batch, shape.heads, shape.seqlen_q
-    S = tirx.Var("splits", "int64")
-    args = KernelArgs()
-
-    def declare():
-        o_part = args.tensor("o_part", (B, H, S, LQ, D), F32)
-        lse_part = args.tensor("lse_part", (B, H, S, LQ), F32)
-        o = args.tensor("o", (B, H, LQ, D), dt)
-        lse = args.tensor("lse", (B, H, LQ), F32)
-        return o_part, lse_part, o, lse
-
-    @T.prim_func(s_tir=True)
-    def combine():
-        T.func_attr({"tirx.noalias": True})
-        O_PART, LSE_PART, O, LSE = T.meta_var(declare())
-        for t in T.parallel(B * H * LQ):
-            with T.sblock("row"):
-                vb = T.axis.spatial(B, t // (H * LQ))
-                vh = T.axis.spatial(H, t // LQ % H)
-                vi = T.axis.spatial(LQ, t % LQ)
-                m = T.sblock_alloc_buffer((1,), F32)
-                l = T.sblock_alloc_buffer((1,), F32)
-                acc = T.sblock_alloc_buffer((D,), F32)
-                for s in T.serial(S):
-                    with T.sblock("combine_max"):
-                        vs = T.axis.remap("R", [s])
-                        with T.init():
-                            m[0] = T.min_value(F32)
-                        m[0] = T.max(m[0], LSE_PART[vb, vh, vs, vi])
-                for d, s in T.grid(D, S):
-                    with T.sblock("combine_sum"):
-                        vd, vs = T.axis.remap("SR", [d, s])
-                        with T.init():
-                            acc[vd] = T.float32(0)
-                        # partials that saw no key have lse -inf: weight exactly 0
-                        acc[vd] = acc[vd] + fast_exp(LSE_PART[vb, vh, vs, vi] - m[0]) * O_PART[vb, vh, vs, vi, vd]
-                for s in T.serial(S):
-                    with T.sblock("combine_l"):
-                        vs = T.axis.remap("R", [s])
-                        with T.init():
-                            l[0] = T.float32(0)
-                        l[0] = l[0] + fast_exp(LSE_PART[vb, vh, vs, vi] - m[0])
-                with T.sblock("combine_lse"):
-                    LSE[vb, vh, vi] = T.Select(l[0] > T.float32(0), m[0] + T.log(l[0]), NEG_INF)
-                for d in T.serial(D):
-                    with T.sblock("combine_out"):
-                        vd = T.axis.remap("S", [d])
-                        O[vb, vh, vi, vd] = T.Cast(dt, T.Select(l[0] > T.float32(0), acc[vd] / l[0], T.float32(0)))
-
-    return combine.with_attr("global_symbol", "forward_combine")
+    return fwd.with_attr("global_symbol", "forward")
