@@ -61,14 +61,27 @@ def row_bytes(nbytes):
 
 @T.inline
 def configure_tiles(cfg):
-    """Palette 1, eight tiles of 16 rows x 64 bytes (`cfg`: 64 bytes of scratch)."""
-    for c in T.serial(64):
-        cfg[c] = T.uint8(0)
-    cfg[0] = T.uint8(1)
-    for n in T.serial(8):
-        cfg[16 + 2 * n] = T.uint8(64)
-        cfg[48 + n] = T.uint8(TILE)
-    T.evaluate(amx("ldtilecfg", T.address_of(cfg[0])))
+    """Palette 1, eight tiles of 16 rows x 64 bytes (`cfg`: 64 bytes of scratch), once per task
+    (tile state is per thread)."""
+    with T.sblock("tile_config"):
+        T.reads()
+        T.writes(cfg[0:64])
+        for c in T.serial(64):
+            cfg[c] = T.uint8(0)
+        cfg[0] = T.uint8(1)
+        for n in T.serial(8):
+            cfg[16 + 2 * n] = T.uint8(64)
+            cfg[48 + n] = T.uint8(TILE)
+        T.evaluate(amx("ldtilecfg", T.address_of(cfg[0])))
+
+
+@T.inline
+def release_tiles():
+    """Hand the tile state back (end of a task)."""
+    with T.sblock("tile_release"):
+        T.reads()
+        T.writes()
+        T.evaluate(amx("tilerelease"))
 
 
 @T.inline

@@ -24,7 +24,7 @@ from tvm.script import tirx as T
 from ..kernels.backward import declare_backward_inputs
 from ..kernels.common import F32, NEG_INF, POS_INF, KernelArgs, Shape, fast_exp
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
-from .amx import BF16, PAIR, amx, bf16_pairs, bf16_row, configure_tiles, pair_bits, tile_gemm
+from .amx import BF16, PAIR, bf16_pairs, bf16_row, configure_tiles, pair_bits, release_tiles, tile_gemm
 from .amx_forward import amx_supported, modified
 
 __all__ = ["amx_supported", "backward_amx_pack_kernel", "backward_amx_kernel"]
@@ -151,6 +151,18 @@ def score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, lse_t, delta_t, b, h
 
 
 @T.inline
+def accumulate_rows(name, acc, a_rows, pairs, cfg, b, h, q0, BK, BQ, D):
+    """acc (BK x D fp32) += a_rows (BK x BQ bf16: P^T or dS^T) . the step's queries of `pairs`
+    (dO or Q as VNNI pairs over queries)."""
+    with T.sblock(name):
+        T.reads(a_rows[0:BK, 0:BQ // 2], pairs[b, h, q0 // 2:q0 // 2 + BQ // 2, 0:D], acc[0:BK, 0:D], cfg[0:64])
+        T.writes(acc[0:BK, 0:D])
+        tile_gemm(lambda r, c: T.address_of(acc[r, c]), D * 4,
+                  lambda r, c: T.address_of(a_rows[r, c // 2]), BQ * 2,
+                  lambda r, c: T.address_of(pairs[b, h, q0 // 2 + r, c]), pairs.strides[2] * 4, BK, D, BQ, True)
+
+
+@T.inline
 def accumulate_dq(P, cfg, acc_at, acc_ld, acc_region, dsT, dsb, hk, b, k0, BQ, BK, D):
     """dQ^T (D x BQ, at acc_at) += K^T . dS^T."""
     for p, ic in T.grid(BK // 2, BQ // 16):
@@ -205,10 +217,7 @@ def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str) -> tirx.Pri
             with T.sblock("task"):
                 vt = T.axis.spatial(B * HK * SPLIT, t)
                 cfg = T.sblock_alloc_buffer((64,), "uint8")
-                with T.sblock("tile_config"):
-                    T.reads()
-                    T.writes(cfg[0:64])
-                    configure_tiles(cfg)
+                configure_tiles(cfg)
                 if fused:
                     for g, d, ic, i in T.grid(G, D, P.lqp // 16, 16):  # Lq_padded % 16 == 0
                         with T.sblock("zero_dq"):
@@ -254,22 +263,8 @@ def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str) -> tirx.Pri
                                                                                   pT[vj, T.Ramp(vc * 32 + 16, 1, 16)])
                                         dsa[vj, T.Ramp(vc * 16, 1, 16)] = bf16_row(dsT[vj, T.Ramp(vc * 32, 1, 16)],
                                                                                    dsT[vj, T.Ramp(vc * 32 + 16, 1, 16)])
-                                with T.sblock("dv_amx"):  # dV += P^T . dO
-                                    T.reads(pa[0:BK, 0:BQ // 2], P.doq[vb, vh, q0 // 2:q0 // 2 + BQ // 2, 0:D],
-                                            dv_acc[0:BK, 0:D], cfg[0:64])
-                                    T.writes(dv_acc[0:BK, 0:D])
-                                    tile_gemm(lambda r, c: T.address_of(dv_acc[r, c]), D * 4,
-                                              lambda r, c: T.address_of(pa[r, c // 2]), BQ * 2,
-                                              lambda r, c: T.address_of(P.doq[vb, vh, q0 // 2 + r, c]),
-                                              P.doq.strides[2] * 4, BK, D, BQ, True)
-                                with T.sblock("dk_amx"):  # dK += dS^T . Q
-                                    T.reads(dsa[0:BK, 0:BQ // 2], P.qq[vb, vh, q0 // 2:q0 // 2 + BQ // 2, 0:D],
-                                            dk_acc[0:BK, 0:D], cfg[0:64])
-                                    T.writes(dk_acc[0:BK, 0:D])
-                                    tile_gemm(lambda r, c: T.address_of(dk_acc[r, c]), D * 4,
-                                              lambda r, c: T.address_of(dsa[r, c // 2]), BQ * 2,
-                                              lambda r, c: T.address_of(P.qq[vb, vh, q0 // 2 + r, c]),
-                                              P.qq.strides[2] * 4, BK, D, BQ, True)
+                                accumulate_rows("dv_amx", dv_acc, pa, P.doq, cfg, vb, vh, q0, BK, BQ, D)  # dV += P^T dO
+                                accumulate_rows("dk_amx", dk_acc, dsa, P.qq, cfg, vb, vh, q0, BK, BQ, D)  # dK += dS^T Q
                                 if fused:
                                     dsb = T.sblock_alloc_buffer((BK // 2, BQ), PAIR)
                                     accumulate_dq(P, cfg, lambda r, c: T.address_of(DQ_ACC[vb, vh, r, q0 + c]),
@@ -281,10 +276,7 @@ def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str) -> tirx.Pri
                                 T.where(k0 + j < LK)
                                 DK[vb, vhk, k0 + vj, vd] = T.Cast(dt, dk_acc[vj, vd] * scale)
                                 DV[vb, vhk, k0 + vj, vd] = T.Cast(dt, dv_acc[vj, vd])
-                with T.sblock("tile_release"):
-                    T.reads()
-                    T.writes()
-                    T.evaluate(amx("tilerelease"))
+                release_tiles()
                 if fused:
                     for g, i, d in T.grid(G, LQ, D):
                         with T.sblock("store_dq"):
@@ -315,10 +307,7 @@ def _dq_kernel(declare, shape: Shape, D: int, BQ: int, BK: int, dt: str) -> tirx
                 vhk = T.meta_var(vh // (H // HK))
                 q0 = T.meta_var(vqb * BQ)
                 kb_lo, kb_hi = T.meta_var(score.kv_blocks(q0, T.min(q0 + BQ, LQ), BK))
-                with T.sblock("tile_config"):
-                    T.reads()
-                    T.writes(cfg[0:64])
-                    configure_tiles(cfg)
+                configure_tiles(cfg)
                 load_row_stats(LSE, DELTA, lse_t, delta_t, vb, vh, q0, BQ, LQ)
                 for d, i in T.grid(D, BQ):
                     with T.sblock("init_acc"):
@@ -337,10 +326,7 @@ def _dq_kernel(declare, shape: Shape, D: int, BQ: int, BK: int, dt: str) -> tirx
                                         vb, vh, vhk, q0, k0, BQ, BK, D, LQ, LK)
                         accumulate_dq(P, cfg, lambda r, c: T.address_of(dq_accT[r, c]), BQ * 4, dq_accT[0:D, 0:BQ],
                                       dsT, dsb, vhk, vb, k0, BQ, BK, D)
-                with T.sblock("tile_release"):
-                    T.reads()
-                    T.writes()
-                    T.evaluate(amx("tilerelease"))
+                release_tiles()
                 for i, d in T.grid(BQ, D):
                     with T.sblock("store_dq"):
                         vi, vd = T.axis.remap("SS", [i, d])

@@ -25,7 +25,7 @@ from ..spec import AttentionSpec
 from ..kernels.common import F32, NEG_INF, KernelArgs, Shape, fast_exp
 from ..kernels.forward import declare_forward_args
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
-from .amx import BF16, PAIR, amx, bf16_pairs, configure_tiles, pair_bits, tile_gemm
+from .amx import BF16, PAIR, bf16_pairs, configure_tiles, pair_bits, release_tiles, tile_gemm
 
 
 def amx_supported(spec: AttentionSpec) -> bool:
@@ -122,10 +122,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                 vhk = T.meta_var(vh // (H // HK))
                 q0 = T.meta_var(vqb * BQ)
                 kb_lo, kb_hi = T.meta_var(score.kv_blocks(q0, T.min(q0 + BQ, LQ), BK))
-                with T.sblock("tile_config"):
-                    T.reads()
-                    T.writes(cfg[0:64])
-                    configure_tiles(cfg)
+                configure_tiles(cfg)
                 for i, p in T.grid(BQ, D // 2):
                     with T.sblock("pack_q"):
                         vi, vp = T.axis.remap("SS", [i, p])
@@ -207,10 +204,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                             tile_gemm(lambda r, c: T.address_of(accT[r, c]), BQ * 4,
                                       lambda r, c: T.address_of(VT[vb, vhk, r, k0 + c]), vt_row,
                                       lambda r, c: T.address_of(pp[r, c]), BQ * 4, D, BQ, BK, True)
-                with T.sblock("tile_release"):
-                    T.reads()
-                    T.writes()
-                    T.evaluate(amx("tilerelease"))
+                release_tiles()
                 for i in T.serial(BQ):
                     with T.sblock("store_lse"):
                         vi = T.axis.remap("S", [i])
