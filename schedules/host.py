@@ -20,6 +20,7 @@ from .knobs import Knobs
 DEFAULTS = {"block_q": 64, "block_k": 64, "bwd_block_q": 64, "bwd_block_k": 64}
 SPLIT_MAX_Q = 16  # the split-KV forward serves Lq <= this (decode), in q-blocks of SPLIT_BLOCK_Q
 SPLIT_BLOCK_Q = 1  # one query per task: Lq x splits tasks per head
+SPLIT_BLOCK_K = 64  # keys per kv-block (the unit of the splits)
 
 RULES = {
     # transposing loads and per-query reductions over S^T tiles
@@ -67,7 +68,7 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
     bq, bk = knobs["bwd_block_q"], knobs["bwd_block_k"]
     return {
         "forward": forward_kernel(spec, knobs["block_q"], knobs["block_k"]),
-        "forward_split": forward_split_kernel(spec, SPLIT_BLOCK_Q),
+        "forward_split": forward_split_kernel(spec, SPLIT_BLOCK_Q, SPLIT_BLOCK_K),
         "forward_combine": forward_combine_kernel(spec),
         "backward_delta": backward_delta_kernel(spec, bq),
         "backward_dkdv": backward_dkdv_kernel(spec, bq, bk),

@@ -122,8 +122,10 @@ def _forward(q, k, v, mask, scale, causal):
 def _forward_split(kern: dict, q, k, v, out, lse, scale, masks) -> None:
     """Decode-like calls (few queries) on the CPU: the keys are cut into splits so that about
     two tasks per thread stream the cache, then the partial results are merged."""
+    from .schedules.host import SPLIT_BLOCK_K
+
     B, H, Lq, D = q.shape
-    kv_blocks = -(-k.shape[2] // 64)  # the kernel's (schedules/host.py)
+    kv_blocks = -(-k.shape[2] // SPLIT_BLOCK_K)
     splits = max(1, min(kv_blocks, -(-2 * torch.get_num_threads() // (B * H))))
     o_part = torch.empty((B, H, splits, Lq, D), dtype=torch.float32)
     lse_part = torch.empty((B, H, splits, Lq), dtype=torch.float32)
