@@ -11,6 +11,8 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..kernels.common import F32, LN2_HI, LN2_LO, LOG2E
+
 BF16 = "bfloat16"
 PAIR = "uint32"  # two bf16 (a VNNI pair) of a tile operand built in the kernel; bf16 scratch
 # buffers would not do: TVM legalises them to fp32
@@ -40,6 +42,24 @@ _INTERLEAVE = [x for m in range(16) for x in (m, m + 16)]
 def bf16_pairs(even, odd):
     """Two fp32x16 rows (K-dim rows 2p and 2p + 1) as 16 VNNI pairs of a B operand."""
     return tirx.reinterpret("uint32x16", tirx.Shuffle([_to_bf16(even, odd)], _INTERLEAVE))
+
+
+def exp16(x):
+    """exp of 16 fp32 lanes x <= 0 for bf16 probabilities: Cody-Waite reduction, a degree-5
+    polynomial (relative error ~3e-6, far below bf16's 4e-3) and `vscalefps` for the 2^n
+    factor (one instruction where the generic fast_exp builds exponent bits in four). x below
+    -87 (masked scores are -inf) gives exactly 0, never a denormal: a fully masked row must
+    keep l = 0."""
+    v16 = lambda c: tirx.Broadcast(tirx.const(c, F32), 16)  # noqa: E731
+    xc = tirx.max(x, v16(-87.0))
+    n = tirx.floor(xc * v16(LOG2E) + v16(0.5))
+    r = xc - n * v16(LN2_HI) - n * v16(LN2_LO)
+    p = v16(1.0 / 120)
+    for c in (1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0):
+        p = p * r + v16(c)
+    scaled = tirx.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.mask.scalef.ps.512", p, n, p,
+                                        tirx.const(-1, "int16"), tirx.const(4, "int32"))
+    return tirx.Select(x > v16(-87.0), scaled, v16(0.0))
 
 
 def pair_bits(lo, hi):

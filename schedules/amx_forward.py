@@ -25,7 +25,7 @@ from ..spec import AttentionSpec
 from ..kernels.common import F32, NEG_INF, KernelArgs, Shape, fast_exp
 from ..kernels.forward import declare_forward_args
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
-from .amx import BF16, PAIR, bf16_pairs, configure_tiles, pair_bits, release_tiles, tile_gemm
+from .amx import BF16, PAIR, bf16_pairs, configure_tiles, exp16, pair_bits, release_tiles, tile_gemm
 
 
 def amx_supported(spec: AttentionSpec) -> bool:
@@ -42,7 +42,7 @@ def modified(score: ScorePipeline, s, ix: ScoreIndex):
 
 def probabilities(s, scale, m, key_inside):
     """exp(s * scale - m) of 16 queries (vectors), 0 for a padded key."""
-    return tirx.Select(key_inside, fast_exp(s * scale - m, 16), tirx.Broadcast(tirx.const(0.0, F32), 16))
+    return tirx.Select(key_inside, exp16(s * scale - m), tirx.Broadcast(tirx.const(0.0, F32), 16))
 
 
 def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int) -> tirx.PrimFunc:

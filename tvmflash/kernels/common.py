@@ -63,19 +63,17 @@ class KernelArgs:
         return irb.arg(name, tirx.Var(name, dtype))
 
 
-def fast_exp(x, lanes: int = 1):
+def fast_exp(x):
     """exp(x) for x <= 0 from a degree-6 polynomial and an exponent-bit shift, so loops
     vectorise (LLVM scalarises `exp` into libm calls). x <= -88 (masked scores are -inf)
-    gives exactly 0.0: the exponent field becomes 0. Max relative error ~2e-7. `lanes`: x is a
-    vector of that many fp32 (kernels written in vectors)."""
-    vec = "" if lanes == 1 else f"x{lanes}"
+    gives exactly 0.0: the exponent field becomes 0. Max relative error ~2e-7."""
     x = tirx.max(tirx.min(x, tirx.const(88.0, F32)), tirx.const(-88.0, F32))
     n = tirx.floor(x * tirx.const(LOG2E, F32) + tirx.const(0.5, F32))
     r = x - n * tirx.const(LN2_HI, F32) - n * tirx.const(LN2_LO, F32)
     p = tirx.const(1.0 / 720, F32)
     for c in (1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0):
         p = p * r + tirx.const(c, F32)
-    two_n = tirx.reinterpret(F32 + vec, tirx.shift_left(tirx.Cast("int32" + vec, n) + 127, 23))
+    two_n = tirx.reinterpret(F32, tirx.shift_left(tirx.Cast("int32", n) + 127, 23))
     return p * two_n
 
 
