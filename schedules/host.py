@@ -6,7 +6,7 @@ same way, so one table serves the forward and the three backward kernels. Knobs:
 
     block_q, block_k           generator parameters of the forward: query / key rows per tile
     bwd_block_q, bwd_block_k   the same for the backward kernels
-    (the split-KV forward for decode, kernels/decode.py, has no knobs: SPLIT_BLOCK_Q queries)
+    (the split-KV forward for decode, kernels/decode.py, has no knobs: SPLIT_* below)
     <kernel>.<matmul>.rows     rows of the register tile of each matmul block
     <kernel>.<matmul>.vecs     vectors per row of that tile
 
@@ -18,8 +18,8 @@ from .cpu_rules import register_tile, swap_and_vectorize, vectorize_inner
 from .knobs import Knobs
 
 DEFAULTS = {"block_q": 64, "block_k": 64, "bwd_block_q": 64, "bwd_block_k": 64}
-SPLIT_MAX_Q = 16  # the split-KV forward serves Lq <= this (decode), in q-blocks of SPLIT_BLOCK_Q
-SPLIT_BLOCK_Q = 1  # one query per task: Lq x splits tasks per head
+SPLIT_MAX_Q = 16  # the split-KV forward serves Lq <= this (decode)
+SPLIT_BLOCK_ROWS = 8  # query rows (a kv-head's heads x queries) per task
 SPLIT_BLOCK_K = 64  # keys per kv-block (the unit of the splits)
 
 RULES = {
@@ -68,7 +68,7 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
     bq, bk = knobs["bwd_block_q"], knobs["bwd_block_k"]
     return {
         "forward": forward_kernel(spec, knobs["block_q"], knobs["block_k"]),
-        "forward_split": forward_split_kernel(spec, SPLIT_BLOCK_Q, SPLIT_BLOCK_K),
+        "forward_split": forward_split_kernel(spec, SPLIT_BLOCK_ROWS, SPLIT_BLOCK_K),
         "forward_combine": forward_combine_kernel(spec),
         "backward_delta": backward_delta_kernel(spec, bq),
         "backward_dkdv": backward_dkdv_kernel(spec, bq, bk),

@@ -120,13 +120,16 @@ def _forward(q, k, v, mask, scale, causal):
 
 
 def _forward_split(kern: dict, q, k, v, out, lse, scale, masks) -> None:
-    """Decode-like calls (few queries) on the CPU: the keys are cut into splits so that about
-    two tasks per thread stream the cache, then the partial results are merged."""
-    from .schedules.host import SPLIT_BLOCK_K
+    """Decode-like calls (few queries) on the CPU: a kv-head's query rows share a task, the keys
+    are cut into splits so that about two tasks per thread stream the cache, then the partial
+    results are merged."""
+    from .schedules.host import SPLIT_BLOCK_K, SPLIT_BLOCK_ROWS
 
     B, H, Lq, D = q.shape
+    Hk = k.shape[1]
     kv_blocks = -(-k.shape[2] // SPLIT_BLOCK_K)
-    splits = max(1, min(kv_blocks, -(-2 * torch.get_num_threads() // (B * H))))
+    tasks = B * Hk * -(-(H // Hk) * Lq // SPLIT_BLOCK_ROWS)  # before splitting the keys
+    splits = max(1, min(kv_blocks, -(-2 * torch.get_num_threads() // tasks)))
     o_part = torch.empty((B, H, splits, Lq, D), dtype=torch.float32)
     lse_part = torch.empty((B, H, splits, Lq), dtype=torch.float32)
     kern["forward_split"](q, k, v, o_part, lse_part, scale, *masks)

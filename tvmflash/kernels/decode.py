@@ -1,12 +1,14 @@
 """Split-KV forward for decode-like calls (a handful of queries against a long cache), in
 s_tir TensorIR, and the kernel that merges its partial results.
 
-`forward_split`: one task per (batch, head, q-block of BQ queries, split); the q-block's
-kv-blocks are cut into `splits` consecutive ranges so that short query blocks still fill the
-cores. With so few queries there is no matmul worth the name: each query row streams K and V
-once, vectorised along the head dim (QK^T as per-lane partial dot products summed across the
-lanes, PV as a row update of O), reading K and V in place (no tile copies). Each task writes
-its O normalised by its own row sums and its lse, in fp32.
+`forward_split`: one task per (batch, kv-head, block of query rows, split); a kv-head's rows
+are the queries of its query heads (GQA packs the group), and its kv-blocks are cut into
+`splits` consecutive ranges so that few queries still fill the cores. With so few queries there
+is no matmul worth the name: per kv-block, each row takes its scores and its O update
+vectorised along the head dim (QK^T as per-lane partial dot products summed across the lanes,
+PV as a row update of O), reading K and V in place (no tile copies; a block is read from
+memory once and reused from L1 by the task's rows). Each task writes its rows' O normalised by
+their own row sums and their lse, in fp32.
 
 `forward_combine`: lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse) O_s; a query no
 split saw gets O = 0, lse = -inf, as from the one-pass forward.
@@ -27,8 +29,11 @@ from .score_mods import ScoreIndex
 LANES = 16
 
 
-def forward_split_kernel(spec: AttentionSpec, block_q: int = 4, block_k: int = 64) -> tirx.PrimFunc:
-    D, BQ, BK = spec.head_dim, block_q, block_k
+def forward_split_kernel(spec: AttentionSpec, block_rows: int = 8, block_k: int = 64) -> tirx.PrimFunc:
+    """Tasks over (batch, kv-head, block of `block_rows` query rows, split). The rows of a
+    kv-head are its query heads' queries (G x Lq for GQA): each kv-block of K and V is read
+    from memory once per task and reused from L1 by every row."""
+    D, RB, BK = spec.head_dim, block_rows, block_k
     VL = LANES if D % LANES == 0 else 1  # head dims that are not multiples of 16: scalar lanes
     shape = Shape.fresh()
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
@@ -38,66 +43,73 @@ def forward_split_kernel(spec: AttentionSpec, block_q: int = 4, block_k: int = 6
     def fwd():
         T.func_attr({"tirx.noalias": True})
         Q, K, V, O, LSE, scale, score = T.meta_var(declare_forward_args(spec, shape, S))
-        NQB = T.meta_var((LQ + BQ - 1) // BQ)
-        for t in T.parallel(B * H * NQB * S):
+        G = T.meta_var(H // HK)
+        NRB = T.meta_var((G * LQ + RB - 1) // RB)  # row blocks per kv-head
+        for t in T.parallel(B * HK * NRB * S):
             with T.sblock("dec_task"):
-                vb = T.axis.spatial(B, t // (H * NQB * S))
-                vh = T.axis.spatial(H, t // (NQB * S) % H)
-                vqb = T.axis.spatial(NQB, t // S % NQB)
+                vb = T.axis.spatial(B, t // (HK * NRB * S))
+                vhk = T.axis.spatial(HK, t // (NRB * S) % HK)
+                vrb = T.axis.spatial(NRB, t // S % NRB)
                 vs = T.axis.spatial(S, t % S)
-                T.reads(Q[vb, vh, 0:LQ, 0:D], K[vb, 0:HK, 0:LK, 0:D], V[vb, 0:HK, 0:LK, 0:D])
-                T.writes(O[vb, vh, vs, 0:LQ, 0:D], LSE[vb, vh, vs, 0:LQ])
-                qs = T.sblock_alloc_buffer((BQ, D), F32)
-                acc = T.sblock_alloc_buffer((BQ, D), F32)
+                T.reads(Q[vb, vhk * G:vhk * G + G, 0:LQ, 0:D], K[vb, vhk, 0:LK, 0:D], V[vb, vhk, 0:LK, 0:D])
+                T.writes(O[vb, vhk * G:vhk * G + G, vs, 0:LQ, 0:D], LSE[vb, vhk * G:vhk * G + G, vs, 0:LQ])
+                qs = T.sblock_alloc_buffer((RB, D), F32)
+                acc = T.sblock_alloc_buffer((RB, D), F32)
                 part = T.sblock_alloc_buffer((VL,), F32)
                 s = T.sblock_alloc_buffer((BK,), F32)
-                st = T.sblock_alloc_buffer((4,), F32)  # m, l, block max, block sum
-                vhk = T.meta_var(vh // (H // HK))
-                q0 = T.meta_var(vqb * BQ)
-                kb_first, kb_end = T.meta_var(score.kv_blocks(q0, T.min(q0 + BQ, LQ), BK))
+                st = T.sblock_alloc_buffer((RB, 4), F32)  # per row: m, l, block max, block sum
+                row = T.meta_var(lambda r: vrb * RB + r)  # of the kv-head's G * Lq rows
+                head, qi = T.meta_var((lambda r: vhk * G + row(r) // LQ, lambda r: row(r) % LQ))
+                kb_first, kb_end = T.meta_var(score.kv_blocks(T.int64(0), LQ, BK))  # every row's keys
                 per_split = T.meta_var((kb_end - kb_first + S - 1) // S)
                 kb_lo = T.meta_var(T.min(kb_first + vs * per_split, kb_end))
                 kb_hi = T.meta_var(T.min(kb_lo + per_split, kb_end))
-                for i in T.serial(BQ):
-                    if q0 + i < LQ:
+                for r in T.serial(RB):
+                    if row(r) < G * LQ:
                         for d in T.vectorized(D):
-                            qs[i, d] = T.Cast(F32, Q[vb, vh, q0 + i, d]) * scale
-                            acc[i, d] = T.float32(0)
-                        st[0] = T.min_value(F32)
-                        st[1] = T.float32(0)
-                        for kb in T.serial(kb_lo, kb_hi):
-                            k0 = T.meta_var(kb * BK)
+                            qs[r, d] = T.Cast(F32, Q[vb, head(r), qi(r), d]) * scale
+                            acc[r, d] = T.float32(0)
+                        st[r, 0] = T.min_value(F32)
+                        st[r, 1] = T.float32(0)
+                for kb in T.serial(kb_lo, kb_hi):
+                    k0 = T.meta_var(kb * BK)
+                    for r in T.serial(RB):
+                        if row(r) < G * LQ:
                             for j in T.serial(BK):  # scores of the block's keys
                                 for c in T.vectorized(VL):
                                     part[c] = T.float32(0)
                                 for dc in T.serial(D // VL):
                                     for c in T.vectorized(VL):
-                                        part[c] = part[c] + qs[i, dc * VL + c] * T.Cast(
+                                        part[c] = part[c] + qs[r, dc * VL + c] * T.Cast(
                                             F32, K[vb, vhk, T.min(k0 + j, LK - 1), dc * VL + c])
                                 s[j] = T.float32(0)
                                 for c in T.serial(VL):
                                     s[j] = s[j] + part[c]
-                                s[j] = score(s[j], ScoreIndex(vb, vh, q0 + i, k0 + j))  # -inf if masked
-                            st[2] = T.min_value(F32)
+                                s[j] = score(s[j], ScoreIndex(vb, head(r), qi(r), k0 + j))  # -inf if masked
+                            st[r, 2] = T.min_value(F32)
                             for j in T.serial(BK):
-                                st[2] = T.max(st[2], s[j])
+                                st[r, 2] = T.max(st[r, 2], s[j])
                             # online softmax: rescale O by exp(m_old - m_new)
                             for d in T.vectorized(D):
-                                acc[i, d] = acc[i, d] * fast_exp(st[0] - T.max(st[0], st[2]))
-                            st[1] = st[1] * fast_exp(st[0] - T.max(st[0], st[2]))
-                            st[0] = T.max(st[0], st[2])
+                                acc[r, d] = acc[r, d] * fast_exp(st[r, 0] - T.max(st[r, 0], st[r, 2]))
+                            st[r, 1] = st[r, 1] * fast_exp(st[r, 0] - T.max(st[r, 0], st[r, 2]))
+                            st[r, 0] = T.max(st[r, 0], st[r, 2])
                             for j in T.vectorized(BK):
-                                s[j] = fast_exp(s[j] - st[0])
-                            st[3] = T.float32(0)
+                                s[j] = fast_exp(s[j] - st[r, 0])
+                            st[r, 3] = T.float32(0)
                             for j in T.serial(BK):
-                                st[3] = st[3] + s[j]
-                            st[1] = st[1] + st[3]
+                                st[r, 3] = st[r, 3] + s[j]
+                            st[r, 1] = st[r, 1] + st[r, 3]
                             for j in T.serial(BK):  # O += p_j V_j (padded keys have p = 0)
                                 for d in T.vectorized(D):
-                                    acc[i, d] = acc[i, d] + s[j] * T.Cast(F32, V[vb, vhk, T.min(k0 + j, LK - 1), d])
-                        LSE[vb, vh, vs, q0 + i] = T.Select(st[1] > T.float32(0), st[0] + T.log(st[1]), NEG_INF)
+                                    acc[r, d] = acc[r, d] + s[j] * T.Cast(F32, V[vb, vhk, T.min(k0 + j, LK - 1), d])
+                for r in T.serial(RB):
+                    if row(r) < G * LQ:
+                        LSE[vb, head(r), vs, qi(r)] = T.Select(st[r, 1] > T.float32(0),
+                                                               st[r, 0] + T.log(st[r, 1]), NEG_INF)
                         for d in T.vectorized(D):
-                            O[vb, vh, vs, q0 + i, d] = T.Select(st[1] > T.float32(0), acc[i, d] / st[1], T.float32(0))
+                            O[vb, head(r), vs, qi(r), d] = T.Select(st[r, 1] > T.float32(0), acc[r, d] / st[r, 1],
+                                                                    T.float32(0))
 
     return fwd.with_attr("global_symbol", "forward_split")
 
