@@ -21,8 +21,8 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..kernels.backward import declare_backward_inputs
-from ..kernels.common import F32, NEG_INF, POS_INF, KernelArgs, Shape, fast_exp
+from ..kernels.backward import declare_backward_inputs, load_row_stats
+from ..kernels.common import F32, KernelArgs, Shape, fast_exp
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
 from .amx import BF16, PAIR, bf16_pairs, bf16_row, configure_tiles, pair_bits, release_tiles, tile_gemm
 from .amx_forward import amx_supported, modified
@@ -108,18 +108,6 @@ def backward_amx_pack_kernel(spec, pad: int) -> tirx.PrimFunc:
                             T.Select(i0 + 2 * vr + 1 < LQ, T.uint32(0xFFFFFFFF), T.uint32(0xFFFF)), T.uint32(0))
 
     return pack.with_attr("global_symbol", "backward_pack")
-
-
-@T.inline
-def load_row_stats(LSE, DELTA, lse_t, delta_t, b, h, q0, BQ, LQ):
-    """lse and delta of the step's queries; lse = +inf past Lq or where a query sees no key
-    (lse = -inf), which makes its p exactly 0."""
-    for i in T.serial(BQ):
-        with T.sblock("load_stats"):
-            vi = T.axis.remap("S", [i])
-            lse_t[vi] = T.Select(q0 + vi < LQ, T.Select(LSE[b, h, T.min(q0 + vi, LQ - 1)] == NEG_INF, POS_INF,
-                                                           LSE[b, h, T.min(q0 + vi, LQ - 1)]), POS_INF)
-            delta_t[vi] = T.Select(q0 + vi < LQ, DELTA[b, h, T.min(q0 + vi, LQ - 1)], T.float32(0))
 
 
 @T.inline

@@ -39,6 +39,18 @@ def declare_backward_inputs(spec: AttentionSpec, shape: Shape, args: KernelArgs,
     return q, k, v, do, lse, delta
 
 
+@T.inline
+def load_row_stats(LSE, DELTA, lse_t, delta_t, b, h, q0, BQ, LQ):
+    """lse and delta of a step's BQ queries from q0; lse = +inf past Lq or where a query sees
+    no key (lse = -inf), which makes its p exactly 0."""
+    for i in T.serial(BQ):
+        with T.sblock("load_stats"):
+            vi = T.axis.remap("S", [i])
+            lse_t[vi] = T.Select(q0 + vi < LQ, T.Select(LSE[b, h, T.min(q0 + vi, LQ - 1)] == NEG_INF, POS_INF,
+                                                           LSE[b, h, T.min(q0 + vi, LQ - 1)]), POS_INF)
+            delta_t[vi] = T.Select(q0 + vi < LQ, DELTA[b, h, T.min(q0 + vi, LQ - 1)], T.float32(0))
+
+
 def backward_delta_kernel(spec: AttentionSpec, block_q: int = 64) -> tirx.PrimFunc:
     D, BQ, dt = spec.head_dim, block_q, spec.dtype
     shape = Shape.fresh()
@@ -166,13 +178,7 @@ def backward_dkdv_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 
                                     vi, vd = T.axis.remap("SS", [i, d])
                                     dos[vi, vd] = T.Select(inside(vi), T.Cast(F32, DO[vb, vh, row(vi), vd]),
                                                            T.float32(0))
-                            for i in T.serial(BQ):
-                                with T.sblock("load_stats"):
-                                    vi = T.axis.remap("S", [i])
-                                    # lse = -inf marks a query that sees no key: +inf makes its p 0
-                                    lse_t[vi] = T.Select(LSE[vb, vh, row(vi)] == NEG_INF, POS_INF,
-                                                         LSE[vb, vh, row(vi)])
-                                    delta_t[vi] = T.Select(inside(vi), DELTA[vb, vh, row(vi)], T.float32(0))
+                            load_row_stats(LSE, DELTA, lse_t, delta_t, vb, vh, q0, BQ, LQ)
                             for i, j, d in T.grid(BQ, BK, D):
                                 with T.sblock("qk"):
                                     vi, vj, vd = T.axis.remap("SSR", [i, j, d])
@@ -284,11 +290,7 @@ def backward_dq_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 64
                     with T.sblock("load_doT"):
                         vi, vd = T.axis.remap("SS", [i, d])
                         doT[vd, vi] = T.Select(inside(vi), T.Cast(F32, DO[vb, vh, row(vi), vd]), T.float32(0))
-                for i in T.serial(BQ):
-                    with T.sblock("load_stats"):
-                        vi = T.axis.remap("S", [i])
-                        lse_t[vi] = T.Select(LSE[vb, vh, row(vi)] == NEG_INF, POS_INF, LSE[vb, vh, row(vi)])
-                        delta_t[vi] = T.Select(inside(vi), DELTA[vb, vh, row(vi)], T.float32(0))
+                load_row_stats(LSE, DELTA, lse_t, delta_t, vb, vh, q0, BQ, LQ)
                 for i, d in T.grid(BQ, D):
                     with T.sblock("init_acc"):
                         vi, vd = T.axis.remap("SS", [i, d])
