@@ -3,23 +3,10 @@ kv-heads, one query, an 8192-key cache, D=128 (a Llama-style shape), fp32 and bf
 
     python scripts/cpu_gqa_decode.py    # on the Xeon with device_check_cpu.sh's setup
 """
-import statistics
-import time
-
 import torch
 
 import tvmflash
-
-
-def median_ms(fn, calls: int = 10, samples: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(samples):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e3)
-    return statistics.median(times)
+from tvmflash.bench import _interleaved_median_ms  # the benchmark's protocol: interleaved medians
 
 
 if __name__ == "__main__":
@@ -28,7 +15,11 @@ if __name__ == "__main__":
     for dtype in (torch.float32, torch.bfloat16):
         q = torch.randn(B, H, 1, D, dtype=dtype)
         k, v = (torch.randn(B, HK, L, D, dtype=dtype) for _ in range(2))
-        ours = median_ms(lambda: tvmflash.scaled_dot_product_attention(q, k, v, enable_gqa=True))
-        theirs = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        calls = {"ours": lambda: tvmflash.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                 "torch": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
+        for call in calls.values():
+            call()  # first use: load (or build) the module
+        ms = _interleaved_median_ms(calls, rounds=5, iters=10, device="cpu")
+        ours, theirs = ms["ours"], ms["torch"]
         print(f"{dtype} GQA {H}/{HK} decode L{L} D{D}: ours {ours:.3f} ms, torch {theirs:.3f} ms, "
               f"ratio {theirs / ours:.2f}x ({torch.get_num_threads()} threads)")
