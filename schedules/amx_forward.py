@@ -1,20 +1,29 @@
 """bf16 flash-attention forward on Intel AMX tiles (`tdpbf16ps`), fp32 softmax on AVX512.
 
-Same algorithm, block names and outputs as `forward.py` (one task per (batch, head, q-block),
-online softmax over S^T tiles), but both matmuls run on AMX tiles, which need their operands in
-particular layouts:
+Same algorithm and outputs as `forward.py` (one task per (batch, head, q-block), online softmax
+over S^T tiles), but both matmuls run on AMX tiles, which need their operands in particular
+layouts:
 
 - S^T = K Q^T (block_k x block_q): A = K rows as stored (16 keys x 32 dims per tile), B = Q^T
   in VNNI pairs, qp[d/2, i] = (q[i, d], q[i, d+1]) (packed once per task);
 - O^T += V^T P^T (head_dim x block_q): A = V^T (16 dims x 32 keys per tile), B = P^T in VNNI
   pairs, pp[j/2, i] = (p[j, i], p[j+1, i]): two rows of the S^T-shaped P tile, no transpose.
 
+**Softmax** (the vector side costs as much as both matmuls). Scores are in log2 units (the
+scale carries log2(e)) and P = 2^(t - m) uses a `vscalefps` exp2. The running max m moves
+only when a block's max exceeds it by more than GROW, so P is computed with the old m in a
+single pass that also checks that; only then (rare after the first block) is the block's max
+taken, O^T and l rescaled and P recomputed. (Interleaving the tile units of the next and
+previous blocks with this pass, so the tile and vector units would work at once, measured no
+faster: the tile side is bound by its loads and stores, which the vector side shares.)
+
 `forward_amx_pack_kernel` writes K (zero-padded rows) and V^T (zero-padded columns) once per
-(batch, kv-head), padded to a multiple of `kv_pad` keys (the caller allocates them), so every tile load is in bounds and
-padded keys give exactly 0 (their scores are masked to -inf). Tiles are 16 rows x 64 bytes;
-a C block is 2x2 tiles (tmm0-3) fed by two A tiles (tmm4-5) and two B tiles (tmm6-7).
-Q is not pre-scaled here (scale is applied to the fp32 scores), so bf16 rounding of q*scale
-does not enter. Needs head_dim % 32 == 0 and block sizes that are multiples of 32.
+(batch, kv-head), padded to a multiple of `kv_pad` keys (the caller allocates them), so every
+tile load is in bounds and padded keys give exactly 0 (their probabilities are set to 0).
+Tiles are 16 rows x 64 bytes; a C block is 2x2 tiles (tmm0-3) fed by two A tiles (tmm4-5) and
+two B tiles (tmm6-7). Q is not pre-scaled (scale is applied to the fp32 scores), so bf16
+rounding of q*scale does not enter. Needs head_dim % 32 == 0 and block sizes that are
+multiples of 32.
 """
 from __future__ import annotations
 
@@ -22,10 +31,13 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
-from ..kernels.common import F32, NEG_INF, KernelArgs, Shape, fast_exp
+from ..kernels.common import F32, LOG2E, NEG_INF, KernelArgs, Shape, fast_exp
 from ..kernels.forward import declare_forward_args
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
-from .amx import BF16, PAIR, bf16_pairs, configure_tiles, exp16, pair_bits, release_tiles, tile_gemm
+from .amx import BF16, PAIR, bf16_pairs, configure_tiles, exp2_16, pair_bits, release_tiles, tile_gemm
+
+LN2 = 0.6931471805599453
+NEG_INF16 = tirx.Broadcast(NEG_INF, 16)
 
 
 def amx_supported(spec: AttentionSpec) -> bool:
@@ -40,9 +52,43 @@ def modified(score: ScorePipeline, s, ix: ScoreIndex):
     return s
 
 
-def probabilities(s, scale, m, key_inside):
-    """exp(s * scale - m) of 16 queries (vectors), 0 for a padded key."""
-    return tirx.Select(key_inside, exp16(s * scale - m), tirx.Broadcast(tirx.const(0.0, F32), 16))
+GROW = 8.0  # log2 units: the running max moves only when a block's max passes it by more, so
+# most steps skip the rescale; probabilities stay below 2^8 (exact in fp32 and in bf16's range)
+
+
+def probabilities(t, key_inside, finite):
+    """2^t of 16 queries (vectors), 0 for a padded key."""
+    return tirx.Select(key_inside, exp2_16(t, finite), tirx.Broadcast(tirx.const(0.0, F32), 16))
+
+
+@T.inline
+def softmax_pair(name, sT, src_scale, m, pp, ls, p, k0, seqlen_k, block_q, finite):
+    """Key rows 2p and 2p + 1 of a kv block's S^T: P = 2^(s * src_scale - m) for 16 queries per
+    vector, written as VNNI pairs of the P.V operand and added to the row sums `ls`
+    (`finite`: the scores are never -inf)."""
+    with T.sblock(name):
+        T.reads(sT[p * 2:p * 2 + 2, 0:block_q], m[0:block_q], ls[0:block_q])
+        T.writes(pp[p, 0:block_q], ls[0:block_q])
+        for ic in T.serial(block_q // 16):
+            cols = T.meta_var(T.Ramp(ic * 16, 1, 16))
+            # bound once (lets): LLVM does not merge the copies meta_vars would leave in the
+            # branches it makes of the key checks
+            e0 = probabilities(sT[p * 2, cols] * src_scale - m[cols], k0 + p * 2 < seqlen_k, finite)
+            e1 = probabilities(sT[p * 2 + 1, cols] * src_scale - m[cols], k0 + p * 2 + 1 < seqlen_k, finite)
+            pp[p, cols] = bf16_pairs(e0, e1)
+            ls[cols] = ls[cols] + e0 + e1
+
+
+@T.inline
+def block_max(sT, src_scale, tmax, k0, seqlen_k, block_k, block_q):
+    """tmax = each query's max of s * src_scale over the real keys of a kv block's S^T."""
+    for j in T.serial(block_k):
+        with T.sblock("block_max"):
+            T.reads(sT[j, 0:block_q], tmax[0:block_q])
+            T.writes(tmax[0:block_q])
+            for ic in T.serial(block_q // 16):
+                cols = T.meta_var(T.Ramp(ic * 16, 1, 16))
+                tmax[cols] = T.max(tmax[cols], T.Select(k0 + j < seqlen_k, sT[j, cols] * src_scale, NEG_INF16))
 
 
 def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int) -> tirx.PrimFunc:
@@ -96,6 +142,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
     LKP = tirx.Var("seqlen_k_padded", "int64")
     packed = KernelArgs()
     has_mods = bool(spec.modifiers())
+    PAIRS = BK // 2
 
     def declare():
         q, k, v, o, lse, scale, score = declare_forward_args(spec, shape)
@@ -116,7 +163,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                 vqb = T.axis.spatial(NQB, t % NQB)
                 cfg = T.sblock_alloc_buffer((64,), "uint8")
                 qp = T.sblock_alloc_buffer((D // 2, BQ), PAIR)
-                m = T.sblock_alloc_buffer((BQ,), F32)
+                m = T.sblock_alloc_buffer((BQ,), F32)  # running max, log2 units
                 l = T.sblock_alloc_buffer((BQ,), F32)
                 accT = T.sblock_alloc_buffer((D, BQ), F32)
                 vhk = T.meta_var(vh // (H // HK))
@@ -142,11 +189,11 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                     with T.sblock("kv_step"):
                         vkb = T.axis.opaque((LK + BK - 1) // BK, kb)
                         sT = T.sblock_alloc_buffer((BK, BQ), F32)
-                        sc = T.sblock_alloc_buffer((BK, BQ), F32)  # modified scores (specs with modifiers)
                         pp = T.sblock_alloc_buffer((BK // 2, BQ), PAIR)
-                        mn = T.sblock_alloc_buffer((BQ,), F32)
+                        tmax = T.sblock_alloc_buffer((BQ,), F32)
                         alpha = T.sblock_alloc_buffer((BQ,), F32)
                         ls = T.sblock_alloc_buffer((BQ,), F32)
+                        grow = T.sblock_alloc_buffer((2,), "int32")  # m may move, m moves
                         k0 = T.meta_var(vkb * BK)
                         with T.sblock("qk_amx"):  # S^T = K rows . Q^T
                             T.reads(KP[vb, vhk, k0:k0 + BK, 0:D], qp[0:D // 2, 0:BQ], cfg[0:64])
@@ -154,50 +201,57 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                             tile_gemm(lambda r, c: T.address_of(sT[r, c]), BQ * 4,
                                       lambda r, c: T.address_of(KP[vb, vhk, k0 + r, c]), kp_row,
                                       lambda r, c: T.address_of(qp[r, c]), BQ * 4, BK, BQ, D, False)
-                        if has_mods:  # modified scores, -inf past Lk
-                            for j, i in T.grid(BK, BQ):
-                                with T.sblock("score"):
-                                    vj, vi = T.axis.remap("SS", [j, i])
-                                    sc[vj, vi] = T.Select(k0 + vj < LK, modified(
-                                        score, sT[vj, vi] * scale,
-                                        ScoreIndex(vb, vh, T.min(q0 + vi, LQ - 1), T.min(k0 + vj, LK - 1))), NEG_INF)
-                        # without modifiers the raw scores in sT are scaled in the passes below
-                        src, src_scale = T.meta_var((sc, T.float32(1)) if has_mods else (sT, scale))
-                        for i, j in T.grid(BQ, BK):
-                            with T.sblock("rowmax"):
-                                vi, vj = T.axis.remap("SR", [i, j])
-                                with T.init():
-                                    mn[vi] = T.min_value(F32)
-                                mn[vi] = T.max(mn[vi], T.Select(k0 + vj < LK, src[vj, vi] * src_scale, NEG_INF))
+                        if has_mods:  # modified scores in place, -inf past Lk
+                            for j in T.serial(BK):
+                                for i in T.vectorized(BQ):  # in place: vectorised here, not by a rule
+                                    with T.sblock("score_in_place"):
+                                        vj, vi = T.axis.remap("SS", [j, i])
+                                        sT[vj, vi] = T.Select(k0 + vj < LK, modified(
+                                            score, sT[vj, vi] * scale,
+                                            ScoreIndex(vb, vh, T.min(q0 + vi, LQ - 1), T.min(k0 + vj, LK - 1))), NEG_INF)
+                        # exponents in log2 units: raw scores carry the scale, modified ones are scaled already
+                        src_scale = T.meta_var(T.float32(LOG2E) if has_mods else scale * T.float32(LOG2E))
                         for i in T.serial(BQ):
-                            with T.sblock("alpha"):
+                            with T.sblock("init_stats"):
                                 vi = T.axis.remap("S", [i])
-                                alpha[vi] = fast_exp(m[vi] - T.max(m[vi], mn[vi]))
-                                m[vi] = T.max(m[vi], mn[vi])
+                                tmax[vi] = NEG_INF
                                 ls[vi] = T.float32(0)
-                        # P (two key rows at a time, 16 queries per vector): exp, row sums and
-                        # the VNNI pairs of the P.V operand in one pass, in vectors
-                        for p, ic in T.grid(BK // 2, BQ // 16):
-                            with T.sblock("softmax_pack"):
-                                vp = T.axis.opaque(BK // 2, p)
-                                vic = T.axis.opaque(BQ // 16, ic)
-                                T.reads(src[vp * 2:vp * 2 + 2, vic * 16:vic * 16 + 16], m[vic * 16:vic * 16 + 16],
-                                        ls[vic * 16:vic * 16 + 16])
-                                T.writes(pp[vp, vic * 16:vic * 16 + 16], ls[vic * 16:vic * 16 + 16])
-                                cols = T.meta_var(T.Ramp(vic * 16, 1, 16))
-                                e0 = probabilities(src[vp * 2, cols], src_scale, m[cols], k0 + vp * 2 < LK)
-                                e1 = probabilities(src[vp * 2 + 1, cols], src_scale, m[cols], k0 + vp * 2 + 1 < LK)
-                                pp[vp, cols] = bf16_pairs(e0, e1)
-                                ls[cols] = ls[cols] + e0 + e1
+                        if vkb > kb_lo:  # P with the running max m (the first block sets m)
+                            for p in T.serial(PAIRS):
+                                softmax_pair("softmax_pack", sT, src_scale, m, pp, ls, p, k0, LK, BQ, not has_mods)
+                        # m must move if an exponent passed GROW; then some row sum passed 2^GROW
+                        with T.sblock("init_grow"):
+                            grow[0] = T.Select(vkb == kb_lo, 1, 0)
+                            grow[1] = T.Select(vkb == kb_lo, 1, 0)
+                        for i in T.serial(BQ):
+                            with T.sblock("grow_check"):
+                                vi = T.axis.remap("R", [i])
+                                grow[0] = T.max(grow[0], T.Select(ls[vi] > T.float32(2 ** GROW), 1, 0))
+                        if grow[0] > 0:  # rare after the first block: the block's max decides
+                            block_max(sT, src_scale, tmax, k0, LK, BK, BQ)
+                            for i in T.serial(BQ):
+                                with T.sblock("move_check"):
+                                    vi = T.axis.remap("R", [i])
+                                    grow[1] = T.max(grow[1], T.Select(tmax[vi] > m[vi] + T.float32(GROW), 1, 0))
+                        if grow[1] > 0:  # m to the block's max, O and l rescaled, P again
+                            for i in T.serial(BQ):
+                                with T.sblock("alpha"):
+                                    vi = T.axis.remap("S", [i])
+                                    alpha[vi] = fast_exp((m[vi] - T.max(m[vi], tmax[vi])) * T.float32(LN2))
+                                    m[vi] = T.max(m[vi], tmax[vi])
+                                    l[vi] = l[vi] * alpha[vi]
+                                    ls[vi] = T.float32(0)
+                            for d in T.serial(D):
+                                for i in T.vectorized(BQ):  # in place: vectorised here, not by a rule
+                                    with T.sblock("rescale"):
+                                        vd, vi = T.axis.remap("SS", [d, i])
+                                        accT[vd, vi] = accT[vd, vi] * alpha[vi]
+                            for p in T.serial(PAIRS):
+                                softmax_pair("softmax_redo", sT, src_scale, m, pp, ls, p, k0, LK, BQ, not has_mods)
                         for i in T.serial(BQ):
                             with T.sblock("l_update"):
                                 vi = T.axis.remap("S", [i])
-                                l[vi] = l[vi] * alpha[vi] + ls[vi]
-                        for d in T.serial(D):
-                            for i in T.vectorized(BQ):  # in place: vectorised here, not by a rule
-                                with T.sblock("rescale"):
-                                    vd, vi = T.axis.remap("SS", [d, i])
-                                    accT[vd, vi] = accT[vd, vi] * alpha[vi]
+                                l[vi] = l[vi] + ls[vi]
                         with T.sblock("pv_amx"):  # O^T += V^T . P^T
                             T.reads(VT[vb, vhk, 0:D, k0:k0 + BK], pp[0:BK // 2, 0:BQ], accT[0:D, 0:BQ], cfg[0:64])
                             T.writes(accT[0:D, 0:BQ])
@@ -209,7 +263,8 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                     with T.sblock("store_lse"):
                         vi = T.axis.remap("S", [i])
                         T.where(q0 + i < LQ)
-                        LSE[vb, vh, q0 + vi] = T.Select(l[vi] > T.float32(0), m[vi] + T.log(l[vi]), NEG_INF)
+                        LSE[vb, vh, q0 + vi] = T.Select(l[vi] > T.float32(0), (m[vi] + T.log2(l[vi])) * T.float32(LN2),
+                                                        NEG_INF)
                 for i, d in T.grid(BQ, D):
                     with T.sblock("store_o"):
                         vi, vd = T.axis.remap("SS", [i, d])

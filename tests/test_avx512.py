@@ -131,3 +131,23 @@ def test_amx_backward_plans(plan, monkeypatch):
     monkeypatch.setenv("TVMFLASH_BACKWARD", plan)
     q, k, v, dout = make(3, 4, 2, 77, 161, 128, torch.bfloat16)
     check_against_reference(q, k, v, dout, flash_run(True), causal="bottom_right")
+
+
+@needs_amx
+@pytest.mark.parametrize("direction", ["rising", "falling"])
+def test_amx_forward_running_max(direction):
+    """Scores that climb (or fall) steeply from kv block to kv block: the AMX forward moves its
+    running max only when a block passes it by more than GROW (then rescales and recomputes),
+    and keeps probabilities up to 2^GROW otherwise; both paths against the reference."""
+    g = torch.Generator().manual_seed(7)
+    lq, lk, d = 70, 600, 64
+    u = torch.randn(d, generator=g)
+    ramp = torch.linspace(-6, 6, lk) if direction == "rising" else torch.linspace(6, -6, lk)
+    # key j is about ramp[j] * u: with q ~ u the scores span about +-6 * |u|^2 / sqrt(d) ~ +-48,
+    # steps of a few units inside a block and of many between the first and last blocks
+    k = (ramp[:, None] * u + 0.3 * torch.randn(lk, d, generator=g))[None, None].expand(2, 2, lk, d)
+    q = (u + 0.3 * torch.randn(2, 4, lq, d, generator=g))
+    v = torch.randn(2, 2, lk, d, generator=g)
+    dout = torch.randn(2, 4, lq, d, generator=g)
+    q, k, v, dout = (x.contiguous().bfloat16() for x in (q, k, v, dout))
+    check_against_reference(q, k, v, dout, flash_run(False))

@@ -33,7 +33,7 @@ TUNED_SPECS = {
         ("float16", "bfloat16"), (64, 128), ("none", "top_left", "bottom_right"))],
     "avx512": [AttentionSpec(dt, d) for dt, d in itertools.product(("float32", "bfloat16"), (64, 128))],
 }
-CPU_BLOCKS = [(64, 64), (64, 128), (128, 64), (128, 128), (32, 64), (64, 32)]  # (block_q, block_k)
+CPU_BLOCKS = [(64, 64), (64, 128), (128, 64), (128, 128), (32, 64), (64, 32), (32, 128), (256, 128)]  # (block_q, block_k)
 CPU_REGISTER_TILES = [(8, 2), (4, 4), (4, 2)]  # (rows, zmm vectors per row) of the FMA matmuls
 CPU_PHASE_KERNELS = {"forward": ("forward", "forward_pack"),
                      "backward": ("backward_delta", "backward_fused", "backward_dkdv", "backward_dq", "backward_pack")}
