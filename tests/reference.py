@@ -21,17 +21,31 @@ def keep_mask(lq, lk, causal="none", mask=None, shape=None, device="cpu"):
     return keep.expand(shape) if shape is not None else keep
 
 
-def attention(q, k, v, causal="none", mask=None, scale=None, dtype=None):
-    """Returns (out, lse). `dtype` is the compute type (default: q's)."""
+def attention(q, k, v, causal="none", mask=None, scale=None, dtype=None, window=(-1, -1), softcap=0.0,
+              alibi_slopes=None):
+    """Returns (out, lse). `dtype` is the compute type (default: q's). window / softcap /
+    alibi_slopes as flash-attn's (bottom-right aligned, softcap before ALiBi)."""
     dtype = dtype or q.dtype
     q, k, v = (x.to(dtype) for x in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = (q @ k.transpose(-1, -2)) * scale
+    lq, lk = q.shape[2], k.shape[2]
+    gap = (torch.arange(lq, device=s.device)[:, None] + lk - lq - torch.arange(lk, device=s.device)[None, :])
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(dtype).expand(q.shape[0], q.shape[1])[:, :, None, None]
+        s = s - slopes * gap.abs().to(dtype)
     if mask is not None and mask.dtype != torch.bool:
         s = s + mask.to(dtype)
     keep = keep_mask(q.shape[2], k.shape[2], causal, mask, s.shape, s.device)
+    left, right = window
+    if left >= 0:
+        keep = keep & (gap <= left)
+    if right >= 0:
+        keep = keep & (-gap <= right)
     s = s.masked_fill(~keep, float("-inf"))
     dead = ~keep.any(-1, keepdim=True) | (s == float("-inf")).all(-1, keepdim=True)
     s = s.masked_fill(dead, 0.0)

@@ -40,9 +40,10 @@ def backward_plan(plan):
             os.environ["TVMFLASH_BACKWARD"] = old
 
 
-def check_against_reference(q, k, v, dout, run, causal="none", mask=None, scale=None):
+def check_against_reference(q, k, v, dout, run, causal="none", mask=None, scale=None, **variant):
     """q/k/v/dout in (B, H, L, D); `run(q, k, v)` returns (out, lse) in that layout.
-    Gradients are checked on both backward paths."""
+    Gradients are checked on both backward paths. `variant`: window / softcap / alibi_slopes
+    for the reference (reference.attention's keywords)."""
     grads = {}
     for plan in ("fused", "split"):
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
@@ -54,7 +55,7 @@ def check_against_reference(q, k, v, dout, run, causal="none", mask=None, scale=
     def reference(dtype):
         xs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
         m = mask.to(dtype) if mask is not None and mask.dtype != torch.bool else mask
-        o, l = attention(*xs, causal=causal, mask=m, scale=scale)
+        o, l = attention(*xs, causal=causal, mask=m, scale=scale, **variant)
         o.backward(dout.to(dtype))
         return o, l, [x.grad for x in xs]
 

@@ -30,10 +30,15 @@ FLASH_CASES = [
     ("scale string", dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a float"),
     ("scale bool", dict(softmax_scale=True), TypeError, "softmax_scale must be a float"),
     ("window not a pair", dict(window_size=3), ValueError, "window_size must be a pair"),
+    ("window floats", dict(window_size=(4.0, 0)), ValueError, "window_size must be a pair of ints"),
+    ("softcap negative", dict(softcap=-1.0), ValueError, "softcap must be >= 0"),
+    ("softcap inf", dict(softcap=float("inf")), ValueError, "softcap must be >= 0 and finite"),
+    ("softcap string", dict(softcap="30"), TypeError, "softcap must be a float"),
+    ("alibi shape", dict(alibi_slopes=torch.ones(3)), ValueError, r"alibi_slopes must have shape \(nheads,\)"),
+    ("alibi dtype", dict(alibi_slopes=torch.ones(4, dtype=torch.float64)), TypeError, "alibi_slopes must be float32"),
+    ("alibi list", dict(alibi_slopes=[1.0] * 4), TypeError, "alibi_slopes must be a torch.Tensor"),
+    ("alibi needs grad", dict(alibi_slopes=torch.ones(4, requires_grad=True)), NotImplementedError, "alibi_slopes"),
     ("dropout", dict(dropout_p=0.1), NotImplementedError, "dropout_p"),
-    ("window", dict(window_size=(4, 0)), NotImplementedError, "window_size"),
-    ("softcap", dict(softcap=30.0), NotImplementedError, "softcap"),
-    ("alibi", dict(alibi_slopes=torch.ones(4)), NotImplementedError, "alibi_slopes"),
 ]
 
 

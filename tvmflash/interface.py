@@ -125,8 +125,47 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     _unsupported(dropout_p=dropout_p != 0.0)
     mask = _check_mask(attn_mask, query, key)
     out, _ = attention(query, key, value, mask, _scale(scale, query.shape[-1], "scale"),
-                               "top_left" if is_causal else "none", torch.are_deterministic_algorithms_enabled())
+                       "top_left" if is_causal else "none", torch.are_deterministic_algorithms_enabled())
     return out
+
+
+def _check_window(window_size, causal: bool) -> tuple:
+    """flash-attn's window: (left, right) ints, negative = unbounded; causal caps right at 0.
+    Returns the pair the kernels take ((-1, -1) when it does not restrict beyond `causal`)."""
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise ValueError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    left, right = (max(int(w), -1) for w in window_size)
+    if causal:
+        right = -1  # the causal mask already stops at the diagonal (flash-attn sets right = 0)
+    return left, right
+
+
+def _check_softcap(softcap) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {softcap}")
+    return float(softcap)
+
+
+def _check_alibi(alibi_slopes, q):
+    """ALiBi slopes: float32 (nheads,) or (batch, nheads) on q's device."""
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+    B, H = q.shape[0], q.shape[1]
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+    if alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but q is on {q.device}")
+    if tuple(alibi_slopes.shape) not in ((H,), (B, H)):
+        raise ValueError(f"alibi_slopes must have shape (nheads,) = ({H},) or (batch, nheads) = ({B}, {H}), "
+                         f"got {tuple(alibi_slopes.shape)}")
+    if alibi_slopes.requires_grad:
+        raise NotImplementedError("gradients with respect to alibi_slopes are not supported")
+    return alibi_slopes
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -134,20 +173,24 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """flash_attn.flash_attn_func: q (B, Lq, H, D), k/v (B, Lk, Hk, D) -> out (B, Lq, H, D).
 
     `causal` aligns the diagonal bottom-right (query i sees keys j <= i + Lk - Lq), as
-    flash-attn 2.1+ does. GQA/MQA when H is a multiple of Hk. With `return_attn_probs`
-    returns (out, softmax_lse, None): lse is float32 (B, H, Lq), natural log, -inf for a query
-    that sees no key. `deterministic=True` makes the CUDA backward bitwise reproducible (dQ
-    without atomics, somewhat slower); the CPU backward always is.
+    flash-attn 2.1+ does. GQA/MQA when H is a multiple of Hk. Variants, with flash-attn's
+    semantics: `window_size=(left, right)` lets query i see keys i + Lk - Lq - left ...
+    i + Lk - Lq + right (-1: unbounded; kv blocks outside the window are skipped);
+    `softcap > 0` maps each scaled score s to softcap * tanh(s / softcap); `alibi_slopes`
+    (float32, (H,) or (B, H)) subtracts slope * |i + Lk - Lq - j| after scaling. With
+    `return_attn_probs` returns (out, softmax_lse, None): lse is float32 (B, H, Lq), natural
+    log, -inf for a query that sees no key. `deterministic=True` makes the CUDA backward
+    bitwise reproducible (dQ without atomics, somewhat slower); the CPU backward always is.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
     _check_qkv(qh, kh, vh)
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
-        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
-    _unsupported(dropout_p=dropout_p != 0.0, window_size=tuple(window_size) != (-1, -1),
-                 softcap=softcap != 0.0, alibi_slopes=alibi_slopes is not None)
+    window = _check_window(window_size, causal)
+    softcap = _check_softcap(softcap)
+    alibi_slopes = _check_alibi(alibi_slopes, qh)
+    _unsupported(dropout_p=dropout_p != 0.0)
     out, lse = attention(qh, kh, vh, None, _scale(softmax_scale, q.shape[-1], "softmax_scale"),
-                                 "bottom_right" if causal else "none", bool(deterministic))
+                         "bottom_right" if causal else "none", bool(deterministic), *window, softcap, alibi_slopes)
     out = out.transpose(1, 2)
     return (out, lse, None) if return_attn_probs else out

@@ -18,7 +18,16 @@ from .spec import AttentionSpec
 _TORCH_TO_TVM = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def spec_for(q: torch.Tensor, mask: Optional[torch.Tensor], causal: str) -> AttentionSpec:
+def spec_for(q: torch.Tensor, mask: Optional[torch.Tensor], causal: str, window: tuple = (-1, -1),
+             softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None) -> AttentionSpec:
+    """The spec of a call: dtype, head dim, causal mode, mask kind and which variants it uses
+    (their values are kernel arguments, `_mod_args`)."""
+    mods = ()
+    if softcap or alibi_slopes is not None or tuple(window) != (-1, -1):
+        from .kernels.score_mods import Alibi, Softcap, Window
+
+        mods = tuple(m for m, on in ((Softcap(), softcap > 0), (Alibi(), alibi_slopes is not None),
+                                     (Window(), tuple(window) != (-1, -1))) if on)
     if mask is None:
         kind, mask_dtype = "none", None
     elif mask.dtype == torch.bool:
@@ -27,7 +36,7 @@ def spec_for(q: torch.Tensor, mask: Optional[torch.Tensor], causal: str) -> Atte
         kind, mask_dtype = "additive", _TORCH_TO_TVM[mask.dtype]
         mask_dtype = None if mask_dtype == _TORCH_TO_TVM[q.dtype] else mask_dtype
     return AttentionSpec(dtype=_TORCH_TO_TVM[q.dtype], head_dim=q.shape[-1], causal=causal,
-                         mask=kind, mask_dtype=mask_dtype)
+                         mask=kind, mask_dtype=mask_dtype, score_mods=mods)
 
 
 _loaded: dict = {}  # (spec, device, CPU target choice) -> kernels: the per-call fast path
@@ -68,34 +77,47 @@ def _on_stream(device: torch.device):
             yield
 
 
-def _mask_args(mask: Optional[torch.Tensor], shape) -> tuple:
-    """The mask as a (B, H, Lq, Lk) view: broadcast through zero strides, bool as uint8."""
-    if mask is None:
-        return ()
-    mask = mask.expand(shape)
-    return (mask.view(torch.uint8) if mask.dtype == torch.bool else mask,)
+def _mod_args(spec: AttentionSpec, shape, mask, window, softcap, alibi_slopes) -> tuple:
+    """The score modifiers' kernel arguments, in the order the kernels declare them: the mask
+    as a (B, H, Lq, Lk) view (broadcast through zero strides, bool as uint8), the window's sizes
+    (an unbounded side as Lq + Lk), the softcap, ALiBi slopes as a (B, H) view."""
+    B, H, Lq, Lk = shape
+    values = {}
+    if mask is not None:
+        mask = mask.expand(shape)
+        values["mask"] = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    values["window_left"], values["window_right"] = (w if w >= 0 else Lq + Lk for w in window)
+    values["softcap"] = float(softcap)
+    if alibi_slopes is not None:
+        values["alibi_slopes"] = alibi_slopes.expand(B, H)
+    return tuple(values[name] for mod in spec.modifiers() for name in mod.arg_names)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-              causal: str, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              causal: str, deterministic: bool = False, window_left: int = -1, window_right: int = -1,
+              softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output and lse, differentiable. Under torch.compile this is the
     `tvmflash::attention_forward` operator (traceable, fake impls); in eager mode the same
     kernels run through a plain autograd.Function, which costs a fraction of the custom op's
     per-call dispatch (tens of microseconds, the whole runtime of a small attention call)."""
+    variant = (window_left, window_right, softcap, alibi_slopes)
     if torch.compiler.is_compiling():
-        return attention_forward(q, k, v, mask, scale, causal, deterministic)
-    return _EagerAttention.apply(q, k, v, mask, scale, causal, deterministic)
+        return attention_forward(q, k, v, mask, scale, causal, deterministic, *variant)
+    return _EagerAttention.apply(q, k, v, mask, scale, causal, deterministic, *variant)
 
 
 @torch.library.custom_op("tvmflash::attention_forward", mutates_args=())
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                      scale: float, causal: str, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: float, causal: str, deterministic: bool = False, window_left: int = -1,
+                      window_right: int = -1, softcap: float = 0.0,
+                      alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output and lse. `deterministic` only concerns the backward on CUDA (where dQ
-    is otherwise accumulated with atomics); the CPU backward is always deterministic."""
-    return _forward(q, k, v, mask, scale, causal)
+    is otherwise accumulated with atomics); the CPU backward is always deterministic. The
+    variants (window, softcap, ALiBi) have flash-attn's semantics, interface.py validates them."""
+    return _forward(q, k, v, mask, scale, causal, (window_left, window_right), softcap, alibi_slopes)
 
 
-def _forward(q, k, v, mask, scale, causal):
+def _forward(q, k, v, mask, scale, causal, window=(-1, -1), softcap=0.0, alibi_slopes=None):
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
     out = torch.empty_like(q)
@@ -107,19 +129,20 @@ def _forward(q, k, v, mask, scale, causal):
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    kern = _kernels(spec_for(q, mask, causal), q.device)
-    masks = _mask_args(mask, (B, H, Lq, Lk))
+    spec = spec_for(q, mask, causal, window, softcap, alibi_slopes)
+    kern = _kernels(spec, q.device)
+    mod_args = _mod_args(spec, (B, H, Lq, Lk), mask, window, softcap, alibi_slopes)
     from .schedules.host import SPLIT_MAX_Q
 
     if "forward_split" in kern and Lq <= SPLIT_MAX_Q:
-        _forward_split(kern, q, k, v, out, lse, scale, masks)
+        _forward_split(kern, q, k, v, out, lse, scale, mod_args)
         return out, lse
     with _on_stream(q.device):
-        kern["forward"](q, k, v, out, lse, scale, *masks, *_amx_packs(kern, k, v))
+        kern["forward"](q, k, v, out, lse, scale, *mod_args, *_amx_packs(kern, k, v))
     return out, lse
 
 
-def _forward_split(kern: dict, q, k, v, out, lse, scale, masks) -> None:
+def _forward_split(kern: dict, q, k, v, out, lse, scale, mod_args) -> None:
     """Decode-like calls (few queries) on the CPU: a kv-head's query rows share a task, the keys
     are cut into splits so that about two tasks per thread stream the cache, then the partial
     results are merged."""
@@ -132,7 +155,7 @@ def _forward_split(kern: dict, q, k, v, out, lse, scale, masks) -> None:
     splits = max(1, min(kv_blocks, -(-2 * torch.get_num_threads() // tasks)))
     o_part = torch.empty((B, H, splits, Lq, D), dtype=torch.float32)
     lse_part = torch.empty((B, H, splits, Lq), dtype=torch.float32)
-    kern["forward_split"](q, k, v, o_part, lse_part, scale, *masks)
+    kern["forward_split"](q, k, v, o_part, lse_part, scale, *mod_args)
     kern["forward_combine"](o_part, lse_part, out, lse)
 
 
@@ -158,7 +181,8 @@ def _tile_rows(shape: tuple, dtype) -> torch.Tensor:
 
 
 @attention_forward.register_fake
-def _(q, k, v, mask, scale, causal, deterministic=False):
+def _(q, k, v, mask, scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
+      alibi_slopes=None):
     B, H, Lq, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, H, Lq), dtype=torch.float32)
 
@@ -178,13 +202,17 @@ def backward_plan(batch: int, heads_k: int) -> str:
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
                        mask: Optional[torch.Tensor], scale: float, causal: str,
-                       deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       deterministic: bool = False, window_left: int = -1, window_right: int = -1,
+                       softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v. `dlse` (a gradient flowing into the returned lse) enters through
     dS = P * (dP - delta + dlse): it is folded into delta."""
-    return _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic)
+    return _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic,
+                     (window_left, window_right), softcap, alibi_slopes)
 
 
-def _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic):
+def _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic, window=(-1, -1), softcap=0.0,
+              alibi_slopes=None):
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -192,16 +220,17 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic)
         return dq.zero_(), dk.zero_(), dv.zero_()
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    kern = _kernels(spec_for(q, mask, causal), q.device)
-    masks = _mask_args(mask, (B, H, Lq, Lk))
+    spec = spec_for(q, mask, causal, window, softcap, alibi_slopes)
+    kern = _kernels(spec, q.device)
+    mod_args = _mod_args(spec, (B, H, Lq, Lk), mask, window, softcap, alibi_slopes)
     if q.device.type == "cuda":
-        _backward_cuda(kern, dout, q, k, v, out, lse, dlse, masks, scale, deterministic, dq, dk, dv)
+        _backward_cuda(kern, dout, q, k, v, out, lse, dlse, mod_args, scale, deterministic, dq, dk, dv)
         return dq, dk, dv
-    _backward_cpu(kern, dout, q, k, v, out, lse, dlse, masks, scale, dq, dk, dv)
+    _backward_cpu(kern, dout, q, k, v, out, lse, dlse, mod_args, scale, dq, dk, dv)
     return dq, dk, dv
 
 
-def _backward_cpu(kern, dout, q, k, v, out, lse, dlse, masks, scale, dq, dk, dv):
+def _backward_cpu(kern, dout, q, k, v, out, lse, dlse, mod_args, scale, dq, dk, dv):
     """delta; then the fused or the split plan (backward_plan), on AMX packs where the module
     has them."""
     B, H, Lq, _ = q.shape
@@ -215,10 +244,10 @@ def _backward_cpu(kern, dout, q, k, v, out, lse, dlse, masks, scale, dq, dk, dv)
         # fp32 dQ scratch: (B, H, D, Lq padded) = dQ^T on the AMX path, else dQ's shape
         dq_acc = _tile_rows((B, H, q.shape[3], packs[3].shape[3]), torch.float32) if packs else \
             torch.empty(q.shape, dtype=torch.float32)
-        kern["backward_fused"](*inputs, dk, dv, dq, dq_acc, scale, *masks, *packs)
+        kern["backward_fused"](*inputs, dk, dv, dq, dq_acc, scale, *mod_args, *packs)
     else:
-        kern["backward_dkdv"](*inputs, dk, dv, scale, *masks, *packs)
-        kern["backward_dq"](*inputs, dq, scale, *masks, *packs)
+        kern["backward_dkdv"](*inputs, dk, dv, scale, *mod_args, *packs)
+        kern["backward_dq"](*inputs, dq, scale, *mod_args, *packs)
 
 
 def _amx_backward_packs(kern: dict, q, k, v, dout) -> tuple:
@@ -240,7 +269,7 @@ def _amx_backward_packs(kern: dict, q, k, v, dout) -> tuple:
     return packs
 
 
-def _backward_cuda(kern, dout, q, k, v, out, lse, dlse, masks, scale, deterministic, dq, dk, dv):
+def _backward_cuda(kern, dout, q, k, v, out, lse, dlse, mod_args, scale, deterministic, dq, dk, dv):
     """delta and lse * log2(e) per query; then dK/dV with dQ accumulated by fp32 atomics and
     converted, or (deterministic) dK/dV and a separate dQ kernel without atomics."""
     delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
@@ -250,30 +279,36 @@ def _backward_cuda(kern, dout, q, k, v, out, lse, dlse, masks, scale, determinis
         if dlse is not None:
             delta.sub_(dlse)
         if deterministic:
-            kern["backward_dkdv"](q, k, v, dout, lse2, delta, dk, dv, scale, *masks)
-            kern["backward_dq"](q, k, v, dout, lse2, delta, dq, scale, *masks)
+            kern["backward_dkdv"](q, k, v, dout, lse2, delta, dk, dv, scale, *mod_args)
+            kern["backward_dq"](q, k, v, dout, lse2, delta, dq, scale, *mod_args)
         else:
-            kern["backward_dkdv_dq"](q, k, v, dout, lse2, delta, dk, dv, dq_acc, scale, *masks)
+            kern["backward_dkdv_dq"](q, k, v, dout, lse2, delta, dk, dv, dq_acc, scale, *mod_args)
             kern["backward_dq_convert"](dq_acc, dq, scale)
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic=False):
+def _(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic=False, window_left=-1, window_right=-1,
+      softcap=0.0, alibi_slopes=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+_NO_VARIANT = (-1, -1, 0.0, None)  # window_left, window_right, softcap, alibi_slopes
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal, deterministic = inputs
+    q, k, v, mask, scale, causal, deterministic, *variant = inputs
+    window_left, window_right, softcap, alibi_slopes = (*variant, *_NO_VARIANT[len(variant):])
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask)
+    ctx.save_for_backward(q, k, v, out, lse, mask, alibi_slopes)
     ctx.scale, ctx.causal, ctx.deterministic = scale, causal, deterministic
+    ctx.window, ctx.softcap = (window_left, window_right), softcap
 
 
 def _gradients(ctx, dout, dlse):
-    q, k, v, out, lse, mask = ctx.saved_tensors
+    q, k, v, out, lse, mask, alibi_slopes = ctx.saved_tensors
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, dlse, mask, ctx.scale, ctx.causal,
-                                    ctx.deterministic)
-    return dq, dk, dv, None, None, None, None
+                                    ctx.deterministic, *ctx.window, ctx.softcap, alibi_slopes)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 attention_forward.register_autograd(_gradients, setup_context=_setup_context)
@@ -283,16 +318,18 @@ class _EagerAttention(torch.autograd.Function):
     """The eager-mode path of `attention`: the operators' implementations without their dispatch."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale, causal, deterministic):
-        out, lse = _forward(q, k, v, mask, scale, causal)
-        _setup_context(ctx, (q, k, v, mask, scale, causal, deterministic), (out, lse))
+    def forward(ctx, q, k, v, mask, scale, causal, deterministic, window_left, window_right, softcap, alibi_slopes):
+        out, lse = _forward(q, k, v, mask, scale, causal, (window_left, window_right), softcap, alibi_slopes)
+        _setup_context(ctx, (q, k, v, mask, scale, causal, deterministic, window_left, window_right, softcap,
+                             alibi_slopes), (out, lse))
         ctx.set_materialize_grads(False)  # no zero dlse to fold into delta when lse is unused
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, mask = ctx.saved_tensors
+        q, k, v, out, lse, mask, alibi_slopes = ctx.saved_tensors
         if dout is None:  # only lse was used
             dout = torch.zeros_like(out)
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, mask, ctx.scale, ctx.causal, ctx.deterministic)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, mask, ctx.scale, ctx.causal, ctx.deterministic,
+                               ctx.window, ctx.softcap, alibi_slopes)
+        return dq, dk, dv, None, None, None, None, None, None, None, None

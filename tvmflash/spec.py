@@ -22,8 +22,8 @@ class AttentionSpec:
     causal: str = "none"
     mask: str = "none"
     mask_dtype: str | None = None  # element type of an additive mask; None: same as dtype
-    # Later variants (window, ALiBi, softcap, dropout, flex score_mod) are ScoreMod objects
-    # from tvmflash.kernels.score_mods, appended here; the kernels apply them in order.
+    # Variants (window, ALiBi, softcap; later dropout, flex score_mod) as ScoreMod objects from
+    # tvmflash.kernels.score_mods; their runtime values are kernel arguments, not part of the spec
     score_mods: tuple = field(default=())
 
     def __post_init__(self):
@@ -39,15 +39,16 @@ class AttentionSpec:
             raise ValueError(f"mask_dtype {self.mask_dtype!r} needs mask='additive' and one of {DTYPES}")
 
     def modifiers(self) -> list:
-        """The ScoreMods this spec applies, in order (imports TVM)."""
+        """The ScoreMods this spec applies, in order (imports TVM): those that change values
+        (softcap, then ALiBi: flash-attn's order) before every mask, so a mask's -inf is final."""
         from .kernels.score_mods import Causal, Mask
 
-        mods = []
+        mods = [m for m in self.score_mods if not m.is_mask]
         if self.causal != "none":
             mods.append(Causal(self.causal))
         if self.mask != "none":
             mods.append(Mask(self.mask, self.mask_dtype or self.dtype))
-        return mods + list(self.score_mods)
+        return mods + [m for m in self.score_mods if m.is_mask]
 
     @property
     def name(self) -> str:

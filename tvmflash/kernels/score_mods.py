@@ -4,8 +4,10 @@ Each modifier is target-independent: it maps TIR expressions `(score, b, h, q_id
 a new score expression (-inf removes the pair), so the CPU kernels and the CUDA kernels use the
 same code. A modifier may also narrow the kv range a query block needs (and the query range a
 kv block needs), which is how kernels *skip* blocks instead of computing and masking them.
-Variants that come later (window, ALiBi, softcap, dropout, flex score_mod) are new classes here;
-the kernels do not change.
+A modifier's runtime values (a window's sizes, ALiBi slopes, the softcap) are kernel arguments
+named by `arg_names`, declared in `bind` in that order, so one compiled module serves every
+value. Variants that come later (dropout, flex score_mod) are new classes here; the kernels do
+not change.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 from tvm import tirx
 
-from .common import F32, NEG_INF, KernelArgs, Shape
+from .common import F32, NEG_INF, KernelArgs, Shape, fast_exp
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class ScoreMod:
     tiles it provably keeps whole (`tile_visible`)."""
 
     is_mask = False
+    arg_names: tuple = ()  # the kernel arguments `bind` declares, in order
 
     def bind(self, args: KernelArgs, shape: Shape) -> "ScoreMod":
         """Declare extra kernel arguments (called while the kernel is parsed); returns the
@@ -90,6 +93,7 @@ class Mask(ScoreMod):
 
     kind: str  # "bool" | "additive"
     dtype: str = F32  # additive mask element type (the query dtype)
+    arg_names = ("mask",)
 
     def bind(self, args, shape):
         dt = "uint8" if self.kind == "bool" else self.dtype
@@ -112,6 +116,95 @@ class _BoundMask(ScoreMod):
         if self.kind == "bool":
             return tirx.Select(value != tirx.const(0, "uint8"), score, NEG_INF)
         return score + tirx.Cast(F32, value)
+
+
+def _diagonal(ix: ScoreIndex, shape: Shape):
+    """i + Lk - Lq - j: how far key j lies left of query i's bottom-right aligned diagonal."""
+    return ix.q_idx + shape.seqlen_k - shape.seqlen_q - ix.kv_idx
+
+
+@dataclass(frozen=True)
+class Window(ScoreMod):
+    """Sliding window, flash-attn's semantics (bottom-right aligned): query i sees key j iff
+    i + Lk - Lq - left <= j <= i + Lk - Lq + right. The sizes are runtime arguments (the caller
+    passes an unbounded side as Lq + Lk); blocks outside the window are skipped."""
+
+    is_mask = True
+    arg_names = ("window_left", "window_right")
+
+    def bind(self, args, shape):
+        return _BoundWindow(args.scalar("window_left", "int64"), args.scalar("window_right", "int64"))
+
+
+@dataclass(frozen=True)
+class _BoundWindow(ScoreMod):
+    left: tirx.Var
+    right: tirx.Var
+    is_mask = True
+
+    def apply(self, score, ix, shape):
+        gap = _diagonal(ix, shape)
+        return tirx.Select(tirx.all(gap <= self.left, -gap <= self.right), score, NEG_INF)
+
+    def kv_range(self, q_lo, q_hi, shape):
+        off = shape.seqlen_k - shape.seqlen_q
+        return q_lo + off - self.left, q_hi + off + self.right
+
+    def q_range(self, kv_lo, kv_hi, shape):
+        off = shape.seqlen_k - shape.seqlen_q
+        return kv_lo - off - self.right, kv_hi - off + self.left
+
+    def tile_visible(self, q_lo, q_hi, kv_lo, kv_hi, shape):
+        off = shape.seqlen_k - shape.seqlen_q
+        return tirx.all(kv_lo >= q_hi - 1 + off - self.left, kv_hi - 1 <= q_lo + off + self.right)
+
+
+@dataclass(frozen=True)
+class Alibi(ScoreMod):
+    """ALiBi, flash-attn's semantics: score - slope[b, h] * |i + Lk - Lq - j| (the bias is not
+    scaled). Slopes are an fp32 (B, H) argument (a (H,) tensor is passed with batch stride 0)."""
+
+    arg_names = ("alibi_slopes",)
+
+    def bind(self, args, shape):
+        return _BoundAlibi(args.tensor("alibi_slopes", (shape.batch, shape.heads), F32, unit_last_stride=False))
+
+
+@dataclass(frozen=True)
+class _BoundAlibi(ScoreMod):
+    slopes: tirx.Buffer
+
+    def apply(self, score, ix, shape):
+        distance = tirx.Cast(F32, _diagonal(ix, shape))
+        return score - self.slopes[ix.b, ix.h] * tirx.abs(distance)
+
+
+def _tanh(x):
+    """tanh from the vectorising fast_exp (LLVM would call libm per element)."""
+    return tirx.const(1.0, F32) - tirx.const(2.0, F32) / (fast_exp(x * tirx.const(2.0, F32)) + tirx.const(1.0, F32))
+
+
+@dataclass(frozen=True)
+class Softcap(ScoreMod):
+    """score -> softcap * tanh(score / softcap) (Gemma 2; flash-attn's `softcap`), on the scaled
+    score; its gradient is 1 - tanh^2. The cap is a runtime fp32 argument (> 0)."""
+
+    arg_names = ("softcap",)
+
+    def bind(self, args, shape):
+        return _BoundSoftcap(args.scalar("softcap"))
+
+
+@dataclass(frozen=True)
+class _BoundSoftcap(ScoreMod):
+    cap: tirx.Var
+
+    def apply(self, score, ix, shape):
+        return self.cap * _tanh(score / self.cap)
+
+    def grad(self, score, ix, shape):
+        t = _tanh(score / self.cap)
+        return tirx.const(1.0, F32) - t * t
 
 
 class ScorePipeline:

@@ -1,0 +1,80 @@
+"""Attention variants through flash_attn_func (flash-attn's semantics): sliding window, ALiBi,
+softcap and their combinations with causal and GQA; forward, lse and every gradient against the
+float64 reference, odd sizes, rows that see no key. The variants' values are kernel arguments,
+so each group of cases below builds one module (its spec) and the values vary freely."""
+import pytest
+import torch
+
+import tvmflash
+from tvmflash.ops import spec_for
+from test_attention import DTYPES, check_against_reference, make
+
+SHAPES = [(1, 1), (17, 203), (203, 17), (113, 113)]
+
+
+def flash_variant_run(causal, **variant):
+    def run(q, k, v):
+        out, lse, _ = tvmflash.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               causal=causal, return_attn_probs=True, **variant)
+        return out.transpose(1, 2), lse
+    return run
+
+
+def reference_window(window, causal):
+    """The reference's (left, right) for flash-attn's window_size (causal: right = 0)."""
+    return (window[0], 0 if causal else window[1])
+
+
+def alibi(kind, b, h, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand((h,) if kind == "h" else (b, h), generator=g) * 0.5
+
+
+# (dtype, causal, window_size, softcap, alibi kind): one spec per group of values
+CASES = [
+    ("fp32", False, (37, 5), 0.0, None),
+    ("fp32", False, (0, 0), 0.0, None),  # the bottom-right diagonal only
+    ("fp32", False, (-1, 3), 0.0, None),
+    ("fp32", True, (50, -1), 0.0, "bh"),  # causal + window + ALiBi
+    ("fp32", True, (0, -1), 0.0, "h"),
+    ("fp32", False, (-1, -1), 1.5, None),  # softcap well inside tanh's bend
+    ("fp32", False, (-1, -1), 30.0, None),
+    ("bf16", True, (-1, -1), 2.0, "h"),  # softcap + ALiBi (+ causal), bf16 tolerances
+    ("bf16", True, (-1, -1), 5.0, "bh"),
+]
+
+
+@pytest.mark.parametrize("dtype,causal,window,softcap,alibi_kind", CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("lq,lk", SHAPES, ids=lambda x: str(x))
+def test_variants(dtype, causal, window, softcap, alibi_kind, lq, lk):
+    b, h, hk, d = 2, 4, 2, 64
+    q, k, v, dout = make(b, h, hk, lq, lk, d, DTYPES[dtype], seed=lq + lk)
+    slopes = alibi(alibi_kind, b, h) if alibi_kind else None
+    check_against_reference(q, k, v, dout,
+                            flash_variant_run(causal, window_size=window, softcap=softcap, alibi_slopes=slopes),
+                            causal="bottom_right" if causal else "none",
+                            window=reference_window(window, causal), softcap=softcap, alibi_slopes=slopes)
+
+
+def test_window_rows_that_see_no_key():
+    """Lq > Lk with a window: query i sees keys i - 70 - 4 .. i - 70, so queries 0..69 see none
+    (out 0, lse -inf, zero dq), checked on top of the reference comparison."""
+    q, k, v, dout = make(1, 2, 2, 90, 20, 64, torch.float32, seed=11)
+    run = flash_variant_run(False, window_size=(4, 0))
+    check_against_reference(q, k, v, dout, run, window=(4, 0))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = run(*leaves)
+    assert (lse[:, :, :70] == float("-inf")).all() and lse[:, :, 70:].isfinite().all()
+    assert (out[:, :, :70] == 0).all()
+    out.backward(dout)
+    assert (leaves[0].grad[:, :, :70] == 0).all()
+
+
+def test_variant_values_share_one_module():
+    """Window sizes, softcap values and slopes are kernel arguments: the spec (one compiled
+    module) depends only on which variants a call uses."""
+    q = torch.zeros(1, 2, 8, 64)
+    a = spec_for(q, None, "none", (3, 1), 2.0, torch.ones(2))
+    assert a == spec_for(q, None, "none", (100, 0), 7.5, torch.zeros(1, 2))
+    assert a != spec_for(q, None, "none", (3, 1), 0.0, torch.ones(2))
+    assert spec_for(q, None, "none") == spec_for(q, None, "none", (-1, -1), 0.0, None)
