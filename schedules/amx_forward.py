@@ -44,12 +44,24 @@ def amx_supported(spec: AttentionSpec) -> bool:
     return spec.dtype == BF16 and spec.head_dim % 32 == 0
 
 
-def modified(score: ScorePipeline, s, ix: ScoreIndex):
+def modified(score: ScorePipeline, s, ix: ScoreIndex, masked: bool = True):
     """`score`'s modifiers without its bounds check (a compare per score): the kernel masks
-    padded keys per key row and never stores padded queries (ix must be clamped in bounds)."""
+    padded keys per key row and never stores padded queries (ix must be clamped in bounds).
+    `masked=False` (tiles that `tile_unmasked` proves whole) applies only value modifiers."""
     for mod in score.mods:
-        s = mod.apply(s, ix, score.shape)
+        if masked or not mod.is_mask:
+            s = mod.apply(s, ix, score.shape)
     return s
+
+
+def rewritten_tile(score: ScorePipeline, has_mods: bool, q_lo, q_hi, kv_lo, kv_hi):
+    """Whether the score pass rewrote a tile's S^T (modified, scaled): always with value
+    modifiers, for mask-only specs only on tiles not proven whole."""
+    if not has_mods:
+        return tirx.const(False, "bool")
+    if score.changes_values:
+        return tirx.const(True, "bool")
+    return tirx.Not(score.tile_unmasked(q_lo, q_hi, kv_lo, kv_hi))
 
 
 GROW = 8.0  # log2 units: the running max moves only when a block's max passes it by more, so
@@ -201,16 +213,27 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                             tile_gemm(lambda r, c: T.address_of(sT[r, c]), BQ * 4,
                                       lambda r, c: T.address_of(KP[vb, vhk, k0 + r, c]), kp_row,
                                       lambda r, c: T.address_of(qp[r, c]), BQ * 4, BK, BQ, D, False)
-                        if has_mods:  # modified scores in place, -inf past Lk
-                            for j in T.serial(BK):
-                                for i in T.vectorized(BQ):  # in place: vectorised here, not by a rule
-                                    with T.sblock("score_in_place"):
-                                        vj, vi = T.axis.remap("SS", [j, i])
-                                        sT[vj, vi] = T.Select(k0 + vj < LK, modified(
-                                            score, sT[vj, vi] * scale,
-                                            ScoreIndex(vb, vh, T.min(q0 + vi, LQ - 1), T.min(k0 + vj, LK - 1))), NEG_INF)
-                        # exponents in log2 units: raw scores carry the scale, modified ones are scaled already
-                        src_scale = T.meta_var(T.float32(LOG2E) if has_mods else scale * T.float32(LOG2E))
+                        if has_mods:  # modified scores in place (vectorised here, not by a rule)
+                            if not score.tile_unmasked(q0, q0 + BQ, k0, k0 + BK):  # -inf where masked or past Lk
+                                for j in T.serial(BK):
+                                    for i in T.vectorized(BQ):
+                                        with T.sblock("score_in_place"):
+                                            vj, vi = T.axis.remap("SS", [j, i])
+                                            sT[vj, vi] = T.Select(k0 + vj < LK, modified(
+                                                score, sT[vj, vi] * scale,
+                                                ScoreIndex(vb, vh, T.min(q0 + vi, LQ - 1), T.min(k0 + vj, LK - 1))),
+                                                NEG_INF)
+                            elif score.changes_values:  # a whole tile: only the value modifiers
+                                for j in T.serial(BK):
+                                    for i in T.vectorized(BQ):
+                                        with T.sblock("score_values_in_place"):
+                                            vj, vi = T.axis.remap("SS", [j, i])
+                                            sT[vj, vi] = modified(score, sT[vj, vi] * scale,
+                                                                  ScoreIndex(vb, vh, q0 + vi, k0 + vj), False)
+                        # exponents in log2 units: raw scores carry the scale, modified ones are scaled
+                        # already (a whole tile of a mask-only spec is left raw)
+                        rewritten = T.meta_var(rewritten_tile(score, has_mods, q0, q0 + BQ, k0, k0 + BK))
+                        src_scale = T.meta_var(T.Select(rewritten, T.float32(LOG2E), scale * T.float32(LOG2E)))
                         for i in T.serial(BQ):
                             with T.sblock("init_stats"):
                                 vi = T.axis.remap("S", [i])

@@ -69,11 +69,6 @@ def _check(spec: AttentionSpec) -> None:
     if spec.head_dim % 16:
         raise ValueError(f"the CUDA kernels need head_dim % 16 == 0, got {spec.head_dim}")
     mma_op(spec.dtype)
-    x, i = tirx.Var("x", F32), tirx.Var("i", "int64")
-    for mod in spec.modifiers():
-        grad = mod.grad(x, ScoreIndex(i, i, i, i), Shape.fresh())
-        if not (isinstance(grad, tirx.FloatImm) and grad.value == 1.0):
-            raise NotImplementedError(f"the CUDA backward takes score modifiers of unit gradient, not {mod}")
 
 
 def backward_prep_kernel(spec: AttentionSpec) -> tirx.PrimFunc:
@@ -210,6 +205,8 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics:
         s = T.alloc_local([NQ8 * 4], F32)
         dp = T.alloc_local([NQ8 * 4], F32)
         p = T.alloc_local([NQ8 * 4], dt)
+        gs_own = T.alloc_local([1 if score.unit_grad else NQ8 * 4], F32)
+        gs = T.meta_var(None if score.unit_grad else gs_own)  # d modified score / d score (softcap)
         dk = T.alloc_local([ND * 4], F32)
         dv = T.alloc_local([ND * 4], F32)
         dsf = T.alloc_local([BN // 16 * 4], "uint32")
@@ -292,15 +289,17 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics:
             do_tile = T.meta_var(DO_ROW + buf * BM)
             transposed_scores(s, K_ROW, q_tile)
             if score.tile_unmasked(q0, q0 + BM, k0, k0 + BN):
-                transposed_probabilities(s, p, stats, buf, NQ8, score, scale, b, h, q0, k0 + kr, lane, False)
+                transposed_probabilities(s, p, stats, buf, NQ8, score, scale, b, h, q0, k0 + kr, lane, False, gs)
             else:
-                transposed_probabilities(s, p, stats, buf, NQ8, score, scale, b, h, q0, k0 + kr, lane, True)
+                transposed_probabilities(s, p, stats, buf, NQ8, score, scale, b, h, q0, k0 + kr, lane, True, gs)
             warp_gemm_rn(MMA, dv, pw, bf, pool, do_tile, d0, DH // 16, BM // 16, lane)  # dV += P^T dO
             transposed_scores(dp, V_ROW, do_tile)              # dP^T = V dO^T
-            for nt in T.unroll(NQ8):                           # dS^T = P^T (dP^T - delta)
+            for nt in T.unroll(NQ8):                           # dS^T = P^T (dP^T - delta) [x gs]
                 for i in T.unroll(4):
                     idx = T.meta_var(nt * 4 + i)
                     s[idx] = s[idx] * (dp[idx] - stats[buf, 1, nt * 8 + lane % 4 * 2 + i % 2])
+                    if gs is not None:
+                        s[idx] = s[idx] * gs[idx]
                     p[idx] = T.Cast(dt, s[idx])
             warp_gemm_rn(MMA, dk, pw, bf, pool, q_tile, d0, DH // 16, BM // 16, lane)   # dK += dS^T Q (x scale at the end)
             if with_dq:
@@ -372,6 +371,8 @@ def dq_kernel(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         s = T.alloc_local([NS * 4], F32)
         dp = T.alloc_local([NS * 4], F32)
         p = T.alloc_local([NS * 4], dt)
+        gs_own = T.alloc_local([1 if score.unit_grad else NS * 4], F32)
+        gs = T.meta_var(None if score.unit_grad else gs_own)  # d modified score / d score (softcap)
         dq = T.alloc_local([ND * 4], F32)
         lse2 = T.alloc_local([2], F32)
         delta = T.alloc_local([2], F32)
@@ -393,6 +394,8 @@ def dq_kernel(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                     for e in T.unroll(2):
                         idx = T.meta_var(nt * 4 + hh * 2 + e)
                         ix = T.meta_var(ScoreIndex(b, h, q0 + qr + lane // 4 + hh * 8, k0 + nt * 8 + lane % 4 * 2 + e))
+                        if gs is not None:
+                            gs[idx] = score.grad(s[idx] * scale, ix)
                         if masked or score.changes_values:
                             s[idx] = T.exp2(score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - lse2[hh])
                         else:
@@ -426,10 +429,13 @@ def dq_kernel(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             else:
                 probabilities(k0, True)
             row_scores(dp, DO_ROW, V_ROW + buf * BN)          # dP = dO V^T
-            for nt in T.unroll(NS):                           # dS = P (dP - delta)
+            for nt in T.unroll(NS):                           # dS = P (dP - delta) [x gs]
                 for i in T.unroll(4):
                     idx = T.meta_var(nt * 4 + i)
-                    p[idx] = T.Cast(dt, s[idx] * (dp[idx] - delta[i // 2]))
+                    if gs is not None:
+                        p[idx] = T.Cast(dt, s[idx] * (dp[idx] - delta[i // 2]) * gs[idx])
+                    else:
+                        p[idx] = T.Cast(dt, s[idx] * (dp[idx] - delta[i // 2]))
             warp_gemm_rn(MMA, dq, pw, bf, pool, k_tile, 0, D // 16, BN // 16, lane)   # dQ += dS K
             T.cuda.cta_sync()
         for hh in T.unroll(2):

@@ -30,6 +30,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmflash.kernels.common import F32, Shape
+from tvmflash.kernels.score_mods import unit_grad
 from tvmflash.spec import AttentionSpec
 
 from .cuda_backward import _check, _declare
@@ -41,7 +42,9 @@ DEFAULTS = {"bwd_wgmma": 1, "bwd_wgmma_warpgroups": 2, "bwd_wgmma_block_m": 64}
 
 
 def supports(spec: AttentionSpec, arch: str) -> bool:
-    return arch == "sm_90a" and spec.head_dim in (64, 128)
+    """sm_90a, head dims 64 and 128, modifiers of unit gradient (softcap takes the mma kernels:
+    its per-score gradient factor does not fit this kernel's registers)."""
+    return arch == "sm_90a" and spec.head_dim in (64, 128) and unit_grad(spec.modifiers())
 
 
 def default_knobs(spec: AttentionSpec) -> dict:
@@ -51,6 +54,7 @@ def default_knobs(spec: AttentionSpec) -> dict:
 
 def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFunc:
     _check(spec)
+    assert unit_grad(spec.modifiers()), "softcap's gradient needs the mma backward (supports())"
     D, dt = spec.head_dim, spec.dtype
     NWG, BM = knobs["bwd_wgmma_warpgroups"], knobs["bwd_wgmma_block_m"]
     if D % 64 or NWG not in (1, 2) or D % (8 * NWG) or BM not in (64, 128):

@@ -231,15 +231,18 @@ def copy_row_stats(stats, slot, lse2, delta, b, h, q0, nrows, limit, tid, nthrea
 
 
 @T.inline
-def transposed_probabilities(s, p, stats, slot, nq8, score, scale, b, h, q0, key0, lane, masked):
+def transposed_probabilities(s, p, stats, slot, nq8, score, scale, b, h, q0, key0, lane, masked, gs=None):
     """Scores S^T in s (rows keys from key0, nq8 n8 tiles of queries from q0) -> P^T =
-    exp2(S^T scale log2e - lse2[query]) in s (fp32) and p (its 16-bit type)."""
+    exp2(S^T scale log2e - lse2[query]) in s (fp32) and p (its 16-bit type); `gs` (modifiers
+    whose gradient is not 1) takes d modified score / d score of each."""
     for nt in T.unroll(nq8):
         for hh in T.unroll(2):
             for e in T.unroll(2):
                 idx = T.meta_var(nt * 4 + hh * 2 + e)
                 qc = T.meta_var(nt * 8 + lane % 4 * 2 + e)
                 ix = T.meta_var(ScoreIndex(b, h, q0 + qc, key0 + lane // 4 + hh * 8))
+                if gs is not None:
+                    gs[idx] = score.grad(s[idx] * scale, ix)
                 if masked or score.changes_values:
                     s[idx] = T.exp2(score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - stats[slot, 0, qc])
                 else:

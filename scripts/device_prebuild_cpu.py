@@ -23,6 +23,10 @@ specs = {AttentionSpec(NAMES[dt], d, causal="bottom_right" if c else "none") for
 specs |= {AttentionSpec(NAMES[dt], 64, causal="top_left" if c else "none", mask=kind) for kind, dt, c in MASK_CASES}
 specs |= {AttentionSpec("bfloat16", 128, causal="bottom_right"), AttentionSpec("bfloat16", 64)}  # decode, path
 specs |= {AttentionSpec(dt, d) for dt in ("float32", "bfloat16") for d in (64, 128)}  # benchmark
+sys.path.insert(0, str(ROOT / "scripts"))
+from variants_bench import specs as bench_variant_specs  # noqa: E402
+
+specs |= bench_variant_specs()  # scripts/variants_bench.py on the Xeon
 start = time.time()
 for spec in sorted(specs, key=lambda s: s.name):
     build.build_cached(spec, build.AVX512_TARGET)

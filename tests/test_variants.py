@@ -78,3 +78,14 @@ def test_variant_values_share_one_module():
     assert a == spec_for(q, None, "none", (100, 0), 7.5, torch.zeros(1, 2))
     assert a != spec_for(q, None, "none", (3, 1), 0.0, torch.ones(2))
     assert spec_for(q, None, "none") == spec_for(q, None, "none", (-1, -1), 0.0, None)
+
+
+def test_kernel_argument_order_matches_the_modifiers():
+    """ops passes the modifiers' arguments in AttentionSpec.kernel_arg_names() order (pure
+    Python, for runtime-only deployments); the kernels declare them in modifiers() order."""
+    spec = tvmflash.AttentionSpec("float32", 64, causal="top_left", mask="additive",
+                                  variants=("softcap", "alibi", "window"))
+    assert [n for m in spec.modifiers() for n in m.arg_names] == list(spec.kernel_arg_names())
+    assert spec.kernel_arg_names() == ("softcap", "alibi_slopes", "mask", "window_left", "window_right")
+    with pytest.raises(ValueError, match="variants"):
+        tvmflash.AttentionSpec(variants=("window", "softcap"))

@@ -175,9 +175,16 @@ def cuda_kernels(spec: AttentionSpec, arch: str, knobs: dict | None = None) -> d
     """Every CUDA kernel of `spec` by module function name: the Hopper (wgmma) kernels on
     sm_90a where they take the spec, the mma.sync ones otherwise. `knobs` override the
     tuned/default ones (tuning candidates)."""
-    from .schedules import cuda_backward, cuda_backward_wgmma, cuda_forward, cuda_forward_wgmma
+    from .kernels.score_mods import math_target
 
     knobs = {**cuda_default_knobs(spec), **tuned_knobs("cuda", spec), **(knobs or {})}
+    with math_target("cuda"):
+        return _cuda_kernels(spec, arch, knobs)
+
+
+def _cuda_kernels(spec: AttentionSpec, arch: str, knobs: dict) -> dict:
+    from .schedules import cuda_backward, cuda_backward_wgmma, cuda_forward, cuda_forward_wgmma
+
     kernels = cuda_backward.backward_kernels_cuda(spec, knobs, arch)
     if knobs["forward_wgmma"] and cuda_forward_wgmma.supports(spec, arch):
         kernels["forward"] = cuda_forward_wgmma.forward_kernel_wgmma(spec, knobs)

@@ -22,12 +22,8 @@ def spec_for(q: torch.Tensor, mask: Optional[torch.Tensor], causal: str, window:
              softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None) -> AttentionSpec:
     """The spec of a call: dtype, head dim, causal mode, mask kind and which variants it uses
     (their values are kernel arguments, `_mod_args`)."""
-    mods = ()
-    if softcap or alibi_slopes is not None or tuple(window) != (-1, -1):
-        from .kernels.score_mods import Alibi, Softcap, Window
-
-        mods = tuple(m for m, on in ((Softcap(), softcap > 0), (Alibi(), alibi_slopes is not None),
-                                     (Window(), tuple(window) != (-1, -1))) if on)
+    variants = tuple(name for name, on in (("softcap", softcap > 0), ("alibi", alibi_slopes is not None),
+                                           ("window", tuple(window) != (-1, -1))) if on)
     if mask is None:
         kind, mask_dtype = "none", None
     elif mask.dtype == torch.bool:
@@ -36,7 +32,7 @@ def spec_for(q: torch.Tensor, mask: Optional[torch.Tensor], causal: str, window:
         kind, mask_dtype = "additive", _TORCH_TO_TVM[mask.dtype]
         mask_dtype = None if mask_dtype == _TORCH_TO_TVM[q.dtype] else mask_dtype
     return AttentionSpec(dtype=_TORCH_TO_TVM[q.dtype], head_dim=q.shape[-1], causal=causal,
-                         mask=kind, mask_dtype=mask_dtype, score_mods=mods)
+                         mask=kind, mask_dtype=mask_dtype, variants=variants)
 
 
 _loaded: dict = {}  # (spec, device, CPU target choice) -> kernels: the per-call fast path
@@ -90,7 +86,7 @@ def _mod_args(spec: AttentionSpec, shape, mask, window, softcap, alibi_slopes) -
     values["softcap"] = float(softcap)
     if alibi_slopes is not None:
         values["alibi_slopes"] = alibi_slopes.expand(B, H)
-    return tuple(values[name] for mod in spec.modifiers() for name in mod.arg_names)
+    return tuple(values[name] for name in spec.kernel_arg_names())
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,

@@ -6,13 +6,17 @@ stride pattern. Nothing here imports TVM, so building a spec is free.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import asdict, dataclass, field
 
 DTYPES = ("float32", "float16", "bfloat16")
 CAUSAL_MODES = ("none", "top_left", "bottom_right")
 MASK_KINDS = ("none", "bool", "additive")
 MAX_HEAD_DIM = 256
+# Built-in variants (flash-attn's), in the order the kernels apply them: the value-changing ones
+# (softcap, then ALiBi) before every mask, so a mask's -inf is final. Each maps to the kernel
+# arguments that carry its runtime values (kernels/score_mods.py declares them in this order).
+VARIANT_ARGS = {"softcap": ("softcap",), "alibi": ("alibi_slopes",), "window": ("window_left", "window_right")}
+VALUE_VARIANTS = ("softcap", "alibi")
 
 
 @dataclass(frozen=True)
@@ -22,9 +26,9 @@ class AttentionSpec:
     causal: str = "none"
     mask: str = "none"
     mask_dtype: str | None = None  # element type of an additive mask; None: same as dtype
-    # Variants (window, ALiBi, softcap; later dropout, flex score_mod) as ScoreMod objects from
-    # tvmflash.kernels.score_mods; their runtime values are kernel arguments, not part of the spec
-    score_mods: tuple = field(default=())
+    # which built-in variants (VARIANT_ARGS) the kernels apply; their values (window sizes, the
+    # cap, slopes) are kernel arguments, so one module serves every value
+    variants: tuple = field(default=())
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -37,18 +41,28 @@ class AttentionSpec:
             raise ValueError(f"mask must be one of {MASK_KINDS}, got {self.mask!r}")
         if self.mask_dtype is not None and (self.mask != "additive" or self.mask_dtype not in DTYPES):
             raise ValueError(f"mask_dtype {self.mask_dtype!r} needs mask='additive' and one of {DTYPES}")
+        if tuple(self.variants) != tuple(v for v in VARIANT_ARGS if v in self.variants):
+            raise ValueError(f"variants must be distinct names from {tuple(VARIANT_ARGS)} in that order, "
+                             f"got {self.variants!r}")
+
+    def _modifier_names(self) -> list:
+        names = [v for v in self.variants if v in VALUE_VARIANTS]
+        names += ["causal"] * (self.causal != "none") + ["mask"] * (self.mask != "none")
+        return names + [v for v in self.variants if v not in VALUE_VARIANTS]
 
     def modifiers(self) -> list:
-        """The ScoreMods this spec applies, in order (imports TVM): those that change values
-        (softcap, then ALiBi: flash-attn's order) before every mask, so a mask's -inf is final."""
-        from .kernels.score_mods import Causal, Mask
+        """The ScoreMods this spec applies, in order (imports TVM's compiler)."""
+        from .kernels import score_mods as sm
 
-        mods = [m for m in self.score_mods if not m.is_mask]
-        if self.causal != "none":
-            mods.append(Causal(self.causal))
-        if self.mask != "none":
-            mods.append(Mask(self.mask, self.mask_dtype or self.dtype))
-        return mods + [m for m in self.score_mods if m.is_mask]
+        make = {"causal": lambda: sm.Causal(self.causal), "mask": lambda: sm.Mask(self.mask, self.mask_dtype or self.dtype),
+                "softcap": sm.Softcap, "alibi": sm.Alibi, "window": sm.Window}
+        return [make[name]() for name in self._modifier_names()]
+
+    def kernel_arg_names(self) -> tuple:
+        """The modifiers' kernel arguments in call order (after the scale); pure Python, so the
+        runtime-only deployment can call the kernels."""
+        args = {"causal": (), "mask": ("mask",), **VARIANT_ARGS}
+        return tuple(a for name in self._modifier_names() for a in args[name])
 
     @property
     def name(self) -> str:
@@ -56,8 +70,8 @@ class AttentionSpec:
         text = f"{self.dtype}_d{self.head_dim}_causal-{self.causal}_mask-{self.mask}"
         if self.mask_dtype not in (None, self.dtype):
             text += f"-{self.mask_dtype}"
-        if self.score_mods:
-            text += "_" + hashlib.sha256(repr(self.score_mods).encode()).hexdigest()[:12]
+        if self.variants:
+            text += "_" + "-".join(self.variants)
         return text
 
     def to_dict(self) -> dict:

@@ -129,7 +129,7 @@ def time_candidates(out_dir: Path) -> None:
 
     results = []
     for entry in json.loads((out_dir / "index.json").read_text()):
-        spec = AttentionSpec(**{**entry["spec"], "score_mods": ()})
+        spec = _spec(entry["spec"])
         kind = entry.get("target", "cuda")
         module = _load(out_dir / entry["lib"], {"kind": "cuda" if kind == "cuda" else "llvm"})
         kern = {name: module[name] for name in _PHASE_FUNCS[kind]
@@ -236,11 +236,16 @@ def _time_one_cpu(kern: dict, spec: AttentionSpec, seqlen: int, backward: bool) 
     return statistics.median(samples)
 
 
+def _spec(fields: dict) -> AttentionSpec:
+    """A spec from its to_dict() form (logs written before `variants` had `score_mods: []`)."""
+    return AttentionSpec(**{k: tuple(v) if k == "variants" else v for k, v in fields.items() if k != "score_mods"})
+
+
 def record(out_dir: Path) -> None:
     """Merge the fastest candidate per spec and phase into tuning_logs/<target>/knobs.json."""
     best: dict = {}
     for r in json.loads((out_dir / "timings.json").read_text()):
-        key = (r.get("target", "cuda"), AttentionSpec(**{**r["spec"], "score_mods": ()}).name, r.get("phase", "forward"))
+        key = (r.get("target", "cuda"), _spec(r["spec"]).name, r.get("phase", "forward"))
         if key not in best or r["ms"] < best[key]["ms"]:
             best[key] = r
     for kind in sorted({k[0] for k in best}):

@@ -11,6 +11,8 @@ not change.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 from tvm import tirx
@@ -35,6 +37,7 @@ class ScoreMod:
     tiles it provably keeps whole (`tile_visible`)."""
 
     is_mask = False
+    unit_grad = True  # `grad` is the constant 1 (a backward needs no per-score factor)
     arg_names: tuple = ()  # the kernel arguments `bind` declares, in order
 
     def bind(self, args: KernelArgs, shape: Shape) -> "ScoreMod":
@@ -175,12 +178,31 @@ class _BoundAlibi(ScoreMod):
     slopes: tirx.Buffer
 
     def apply(self, score, ix, shape):
-        distance = tirx.Cast(F32, _diagonal(ix, shape))
-        return score - self.slopes[ix.b, ix.h] * tirx.abs(distance)
+        # int32 distance (sequence lengths are < 2^31): cheaper than int64 on GPUs
+        row = tirx.Cast("int32", ix.q_idx + shape.seqlen_k - shape.seqlen_q)
+        distance = tirx.Cast(F32, tirx.abs(row - tirx.Cast("int32", ix.kv_idx)))
+        return score - self.slopes[ix.b, ix.h] * distance
+
+
+_MATH_TARGET = contextvars.ContextVar("tvmflash_math_target", default="llvm")
+
+
+@contextlib.contextmanager
+def math_target(kind: str):
+    """Kernels generated inside are for target kind `kind` ("llvm" | "cuda"): the modifiers'
+    math functions pick that target's fast form."""
+    token = _MATH_TARGET.set(kind)
+    try:
+        yield
+    finally:
+        _MATH_TARGET.reset(token)
 
 
 def _tanh(x):
-    """tanh from the vectorising fast_exp (LLVM would call libm per element)."""
+    """tanh: CUDA's __tanhf (one MUFU instruction); on CPUs from the vectorising fast_exp (TVM
+    lowers tanh to a libm expf call per element there)."""
+    if _MATH_TARGET.get() == "cuda":
+        return tirx.call_pure_extern(F32, "__tanhf", x)
     return tirx.const(1.0, F32) - tirx.const(2.0, F32) / (fast_exp(x * tirx.const(2.0, F32)) + tirx.const(1.0, F32))
 
 
@@ -190,6 +212,7 @@ class Softcap(ScoreMod):
     score; its gradient is 1 - tanh^2. The cap is a runtime fp32 argument (> 0)."""
 
     arg_names = ("softcap",)
+    unit_grad = False
 
     def bind(self, args, shape):
         return _BoundSoftcap(args.scalar("softcap"))
@@ -198,6 +221,7 @@ class Softcap(ScoreMod):
 @dataclass(frozen=True)
 class _BoundSoftcap(ScoreMod):
     cap: tirx.Var
+    unit_grad = False
 
     def apply(self, score, ix, shape):
         return self.cap * _tanh(score / self.cap)
@@ -205,6 +229,11 @@ class _BoundSoftcap(ScoreMod):
     def grad(self, score, ix, shape):
         t = _tanh(score / self.cap)
         return tirx.const(1.0, F32) - t * t
+
+
+def unit_grad(mods) -> bool:
+    """Whether every modifier's gradient is the constant 1 (masks, causal, ALiBi; not softcap)."""
+    return all(m.unit_grad for m in mods)
 
 
 class ScorePipeline:
@@ -224,6 +253,12 @@ class ScorePipeline:
             return score
         inside = tirx.all(ix.q_idx < self.shape.seqlen_q, ix.kv_idx < self.shape.seqlen_k)
         return tirx.Select(inside, score, NEG_INF)
+
+    @property
+    def unit_grad(self) -> bool:
+        """Whether d(pipeline)/d(score) is 1 wherever p > 0 (no softcap): the backward's dS
+        then needs no factor per score."""
+        return unit_grad(self.mods)
 
     @property
     def changes_values(self) -> bool:

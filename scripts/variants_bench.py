@@ -1,0 +1,103 @@
+"""What the attention variants cost (issue 5): each variant against its plain kernel, in the same
+process, through flash_attn_func. Sliding window and block-sparse work should fall with the
+fraction of skipped kv blocks (window 256 at L=16k: >= 8x faster than full attention); ALiBi
+and softcap should cost <= 15% over the plain kernel. Forward and forward+backward, medians of
+interleaved samples (tvmflash.bench's protocol). Writes JSON + a plot.
+
+    python scripts/variants_bench.py [OUT_DIR]    # CUDA if available (L=16384), else CPU (L=4096)
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import tvmflash
+from tvmflash.bench import _auto_iters, _interleaved_median_ms, _warm_up, machine_info
+
+B, H, D = 1, 16, 128
+# (name, plain kernel's keywords, variant's keywords)
+CASES = [
+    ("window 256 (non-causal)", dict(causal=False), dict(causal=False, window_size=(256, 256))),
+    ("window 256 (causal)", dict(causal=True), dict(causal=True, window_size=(256, 0))),
+    ("ALiBi (causal)", dict(causal=True), dict(causal=True, alibi_slopes="slopes")),
+    ("softcap 30 (non-causal)", dict(causal=False), dict(causal=False, softcap=30.0)),
+]
+
+
+def setup(device: str):
+    dtype = torch.bfloat16
+    seqlen = 16384 if device == "cuda" else 4096
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(B, seqlen, H, D, device=device, dtype=dtype) for _ in range(4))
+    slopes = torch.rand(H, device=device) * 0.1
+    return seqlen, [x.requires_grad_() for x in (q, k, v)], dout, slopes
+
+
+def specs() -> set:
+    """The specs this benchmark calls (scripts/device_prebuild.py builds them)."""
+    from tvmflash.ops import spec_for
+
+    q = torch.empty(1, 1, 1, D, dtype=torch.bfloat16)
+    out = set()
+    for _, *calls in CASES:
+        for kw in calls:
+            causal = kw.get("causal", False)
+            left, right = kw.get("window_size", (-1, -1))
+            out.add(spec_for(q, None, "bottom_right" if causal else "none", (left, -1 if causal else right),
+                             kw.get("softcap", 0.0), torch.ones(1) if "alibi_slopes" in kw else None))
+    return out
+
+
+def main(out_dir: Path) -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    seqlen, (q, k, v), dout, slopes = setup(device)
+    rows = []
+    for name, plain, variant in CASES:
+        fns = {}
+        for label, kw in (("plain", plain), ("variant", variant)):
+            kw = {key: slopes if val == "slopes" else val for key, val in kw.items()}
+            attn = (lambda kw: lambda q, k, v: tvmflash.flash_attn_func(q, k, v, **kw))(kw)
+            out, ms = _warm_up(attn, q, k, v, dout, 2, device)
+            fns[f"{label} fwd"] = (lambda a: lambda: a(q, k, v))(attn)
+            fns[f"{label} fwd+bwd"] = (lambda a: lambda: torch.autograd.grad(a(q, k, v), (q, k, v), dout))(attn)
+        iters = _auto_iters(ms)
+        t = _interleaved_median_ms(fns, rounds=5, iters=iters, device=device)
+        row = {"case": name, "seqlen": seqlen, "ms": t,
+               "speedup_fwd": t["plain fwd"] / t["variant fwd"],
+               "speedup_fwd_bwd": t["plain fwd+bwd"] / t["variant fwd+bwd"]}
+        rows.append(row)
+        print(f"{name}: fwd {t['variant fwd']:.2f} ms vs plain {t['plain fwd']:.2f} ms (x{row['speedup_fwd']:.2f}); "
+              f"fwd+bwd {t['variant fwd+bwd']:.2f} vs {t['plain fwd+bwd']:.2f} ms (x{row['speedup_fwd_bwd']:.2f})",
+              flush=True)
+    tag = "cuda-h100-variants" if device == "cuda" else "cpu-xeon-16core-variants"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": machine_info(device), "shape": {"B": B, "H": H, "D": D, "L": seqlen, "dtype": "bf16"},
+            "note": "speedup = plain time / variant time (> 1: the variant is faster)", "rows": rows}
+    (out_dir / f"{tag}.json").write_text(json.dumps(meta, indent=1))
+    plot(rows, out_dir / f"{tag}.png", f"variants vs plain kernel, {device}, bf16 B={B} H={H} L={seqlen} D={D}")
+    print(out_dir / f"{tag}.json")
+
+
+def plot(rows: list, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    xs = range(len(rows))
+    for i, (key, label) in enumerate((("speedup_fwd", "forward"), ("speedup_fwd_bwd", "forward+backward"))):
+        ax.bar([x + (i - 0.5) * 0.38 for x in xs], [r[key] for r in rows], 0.38, label=label)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xticks(list(xs), [r["case"] for r in rows], fontsize=8)
+    ax.set_ylabel("plain time / variant time")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results"))
