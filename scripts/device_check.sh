@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's check: CUDA correctness tests, then (BENCH=fwd|all, default all; BENCH=none
-# skips it) the GPU benchmark grid (DESIGN.md protocol) as JSON under $OUT (or benchmarks/results). Runs with TVM's runtime only: the
+# skips it) the GPU benchmark grid (DESIGN.md protocol) as JSON under $OUT (or benchmarks/results),
+# with BENCH=all also the variants' costs (scripts/variants_bench.py). Runs with TVM's runtime only: the
 # modules are built beforehand on any machine with nvcc (scripts/device_prebuild.py) into
 # .devcache/, which travels with the tree, as do .devsite/ (pure-Python deps) and .tvmbundle/.
 #
@@ -30,4 +31,5 @@ if backward:  # the other head dims: reported, no bar
     bench.print_table(rows)
     print(bench.write_results(rows, sys.argv[1], "cuda-h100-headdims")[0])
 PY
+[ "${BENCH:-all}" = all ] && python scripts/variants_bench.py "$out"  # window / ALiBi / softcap vs plain
 exit $status

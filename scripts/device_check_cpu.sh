@@ -20,4 +20,5 @@ python -m pytest tests/test_avx512.py -k "not asm" -q -p no:cacheprovider --maxf
 status=${PIPESTATUS[0]}
 [ "${BENCH:-all}" = none ] && exit $status
 python -c "import sys; from tvmflash import bench; bench.cpu_report(sys.argv[1], 'cpu-xeon-16core')" "$out"
+CUDA_VISIBLE_DEVICES= python scripts/variants_bench.py "$out"  # window / ALiBi / softcap vs plain, on the Xeon
 exit $status
