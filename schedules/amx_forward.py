@@ -68,16 +68,15 @@ GROW = 8.0  # log2 units: the running max moves only when a block's max passes i
 # most steps skip the rescale; probabilities stay below 2^8 (exact in fp32 and in bf16's range)
 
 
-def probabilities(t, key_inside, finite):
+def probabilities(t, key_inside):
     """2^t of 16 queries (vectors), 0 for a padded key."""
-    return tirx.Select(key_inside, exp2_16(t, finite), tirx.Broadcast(tirx.const(0.0, F32), 16))
+    return tirx.Select(key_inside, exp2_16(t), tirx.Broadcast(tirx.const(0.0, F32), 16))
 
 
 @T.inline
-def softmax_pair(name, sT, src_scale, m, pp, ls, p, k0, seqlen_k, block_q, finite):
+def softmax_pair(name, sT, src_scale, m, pp, ls, p, k0, seqlen_k, block_q):
     """Key rows 2p and 2p + 1 of a kv block's S^T: P = 2^(s * src_scale - m) for 16 queries per
-    vector, written as VNNI pairs of the P.V operand and added to the row sums `ls`
-    (`finite`: the scores are never -inf)."""
+    vector, written as VNNI pairs of the P.V operand and added to the row sums `ls`."""
     with T.sblock(name):
         T.reads(sT[p * 2:p * 2 + 2, 0:block_q], m[0:block_q], ls[0:block_q])
         T.writes(pp[p, 0:block_q], ls[0:block_q])
@@ -85,8 +84,8 @@ def softmax_pair(name, sT, src_scale, m, pp, ls, p, k0, seqlen_k, block_q, finit
             cols = T.meta_var(T.Ramp(ic * 16, 1, 16))
             # bound once (lets): LLVM does not merge the copies meta_vars would leave in the
             # branches it makes of the key checks
-            e0 = probabilities(sT[p * 2, cols] * src_scale - m[cols], k0 + p * 2 < seqlen_k, finite)
-            e1 = probabilities(sT[p * 2 + 1, cols] * src_scale - m[cols], k0 + p * 2 + 1 < seqlen_k, finite)
+            e0 = probabilities(sT[p * 2, cols] * src_scale - m[cols], k0 + p * 2 < seqlen_k)
+            e1 = probabilities(sT[p * 2 + 1, cols] * src_scale - m[cols], k0 + p * 2 + 1 < seqlen_k)
             pp[p, cols] = bf16_pairs(e0, e1)
             ls[cols] = ls[cols] + e0 + e1
 
@@ -241,7 +240,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                 ls[vi] = T.float32(0)
                         if vkb > kb_lo:  # P with the running max m (the first block sets m)
                             for p in T.serial(PAIRS):
-                                softmax_pair("softmax_pack", sT, src_scale, m, pp, ls, p, k0, LK, BQ, not has_mods)
+                                softmax_pair("softmax_pack", sT, src_scale, m, pp, ls, p, k0, LK, BQ)
                         # m must move if an exponent passed GROW; then some row sum passed 2^GROW
                         with T.sblock("init_grow"):
                             grow[0] = T.Select(vkb == kb_lo, 1, 0)
@@ -270,7 +269,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                         vd, vi = T.axis.remap("SS", [d, i])
                                         accT[vd, vi] = accT[vd, vi] * alpha[vi]
                             for p in T.serial(PAIRS):
-                                softmax_pair("softmax_redo", sT, src_scale, m, pp, ls, p, k0, LK, BQ, not has_mods)
+                                softmax_pair("softmax_redo", sT, src_scale, m, pp, ls, p, k0, LK, BQ)
                         for i in T.serial(BQ):
                             with T.sblock("l_update"):
                                 vi = T.axis.remap("S", [i])
