@@ -42,7 +42,7 @@ def phases(dtype: str, d: int, L: int) -> dict:
     scale = d ** -0.5
     packs_f, packs_b = ops._amx_packs(kern, k, v), ops._amx_backward_packs(kern, q, k, v, do)
     kern["forward"](q, k, v, o, lse, scale, *packs_f)  # the backward's lse
-    dq_acc = (ops._tile_rows((1, 16, d, packs_b[3].shape[3]), torch.float32) if packs_b
+    dq_acc = (ops._scratch("dq_acc", (1, 16, d, packs_b[3].shape[3]), torch.float32, tile_rows=True) if packs_b
               else torch.empty(q.shape, dtype=torch.float32))
     calls = {"forward": lambda: kern["forward"](q, k, v, o, lse, scale, *packs_f)}
     if packs_f:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from typing import Optional
 
 import torch
@@ -163,17 +164,29 @@ def _amx_packs(kern: dict, k: torch.Tensor, v: torch.Tensor) -> tuple:
 
     B, Hk, Lk, D = k.shape
     Lp = -(-Lk // pad) * pad
-    kp = torch.empty((B, Hk, Lp, D), dtype=k.dtype)
-    vt = _tile_rows((B, Hk, D, Lp), v.dtype)
+    kp = _scratch("kp", (B, Hk, Lp, D), k.dtype)
+    vt = _scratch("vt", (B, Hk, D, Lp), v.dtype, tile_rows=True)
     kern["forward_pack"](k, v, kp, vt)
     return kp, vt
 
 
-def _tile_rows(shape: tuple, dtype) -> torch.Tensor:
-    """An empty tensor whose rows (a tile operand's, read 16 at a time) are 64 bytes longer than
-    `shape` says: rows a power of two of bytes apart would all fall into one L1 cache set."""
-    extra = 64 // torch.empty((), dtype=dtype).element_size()
-    return torch.empty(shape[:-1] + (shape[-1] + extra,), dtype=dtype)[..., :shape[-1]]
+_scratch_buffers = threading.local()
+
+
+def _scratch(name: str, shape: tuple, dtype, tile_rows: bool = False) -> torch.Tensor:
+    """A CPU scratch tensor that lives only during one call (AMX operand packs, dQ^T), kept per
+    thread and reused while the shape stays: fresh tens of MB a call cost more in page faults
+    than the packing itself (about 25 ms a forward on the Xeon VM at L=4096, H=16). One
+    buffer per name and thread: memory stays bounded by the last call's sizes. `tile_rows`:
+    rows (a tile operand's, read 16 at a time) 64 bytes longer than `shape` says, since rows a
+    power of two of bytes apart would all fall into one L1 cache set."""
+    buffers = _scratch_buffers.__dict__
+    extra = 64 // torch.empty((), dtype=dtype).element_size() if tile_rows else 0
+    full = shape[:-1] + (shape[-1] + extra,)
+    buf = buffers.get(name)
+    if buf is None or buf.shape != full or buf.dtype != dtype:
+        buf = buffers[name] = torch.empty(full, dtype=dtype)
+    return buf[..., :shape[-1]] if extra else buf
 
 
 @attention_forward.register_fake
@@ -238,8 +251,8 @@ def _backward_cpu(kern, dout, q, k, v, out, lse, dlse, mod_args, scale, dq, dk, 
     packs = _amx_backward_packs(kern, q, k, v, dout)
     if backward_plan(B, k.shape[1]) == "fused":
         # fp32 dQ scratch: (B, H, D, Lq padded) = dQ^T on the AMX path, else dQ's shape
-        dq_acc = _tile_rows((B, H, q.shape[3], packs[3].shape[3]), torch.float32) if packs else \
-            torch.empty(q.shape, dtype=torch.float32)
+        dq_acc = _scratch("dq_acc", (B, H, q.shape[3], packs[3].shape[3]), torch.float32, tile_rows=True) if packs \
+            else _scratch("dq_acc", tuple(q.shape), torch.float32)
         kern["backward_fused"](*inputs, dk, dv, dq, dq_acc, scale, *mod_args, *packs)
     else:
         kern["backward_dkdv"](*inputs, dk, dv, scale, *mod_args, *packs)
@@ -256,10 +269,10 @@ def _amx_backward_packs(kern: dict, q, k, v, dout) -> tuple:
     B, H, Lq, D = q.shape
     Hk, Lk = k.shape[1], k.shape[2]
     Lqp, Lkp = -(-Lq // pad) * pad, -(-Lk // pad) * pad
-    rows = [torch.empty((B, Hk, Lkp, D), dtype=k.dtype) for _ in range(2)]
-    kt = _tile_rows((B, Hk, D, Lkp), k.dtype)
-    over_d = [_tile_rows((B, H, D // 2, Lqp), torch.uint32) for _ in range(2)]
-    over_q = [torch.empty((B, H, Lqp // 2, D), dtype=torch.uint32) for _ in range(2)]
+    rows = [_scratch(f"bwd_rows{i}", (B, Hk, Lkp, D), k.dtype) for i in range(2)]
+    kt = _scratch("bwd_kt", (B, Hk, D, Lkp), k.dtype, tile_rows=True)
+    over_d = [_scratch(f"bwd_over_d{i}", (B, H, D // 2, Lqp), torch.uint32, tile_rows=True) for i in range(2)]
+    over_q = [_scratch(f"bwd_over_q{i}", (B, H, Lqp // 2, D), torch.uint32) for i in range(2)]
     packs = (*rows, kt, *over_d, *over_q)
     kern["backward_pack"](q, k, v, dout, *packs)
     return packs
