@@ -131,7 +131,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 def _check_window(window_size, causal: bool) -> tuple:
     """flash-attn's window: (left, right) ints, negative = unbounded; causal caps right at 0.
-    Returns the pair the kernels take ((-1, -1) when it does not restrict beyond `causal`)."""
+    Returns the pair the kernels take, -1 for a side that does not restrict beyond `causal`."""
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
             and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
         raise ValueError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
