@@ -54,14 +54,14 @@ def modified(score: ScorePipeline, s, ix: ScoreIndex, masked: bool = True):
     return s
 
 
-def rewritten_tile(score: ScorePipeline, has_mods: bool, q_lo, q_hi, kv_lo, kv_hi):
+def rewritten_tile(score: ScorePipeline, has_mods: bool, whole):
     """Whether the score pass rewrote a tile's S^T (modified, scaled): always with value
-    modifiers, for mask-only specs only on tiles not proven whole."""
+    modifiers, for mask-only specs only on tiles not proven `whole` (score.tile_unmasked)."""
     if not has_mods:
         return tirx.const(False, "bool")
     if score.changes_values:
         return tirx.const(True, "bool")
-    return tirx.Not(score.tile_unmasked(q_lo, q_hi, kv_lo, kv_hi))
+    return tirx.Not(whole)
 
 
 GROW = 8.0  # log2 units: the running max moves only when a block's max passes it by more, so
@@ -212,8 +212,9 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                             tile_gemm(lambda r, c: T.address_of(sT[r, c]), BQ * 4,
                                       lambda r, c: T.address_of(KP[vb, vhk, k0 + r, c]), kp_row,
                                       lambda r, c: T.address_of(qp[r, c]), BQ * 4, BK, BQ, D, False)
+                        whole = T.meta_var(score.tile_unmasked(q0, q0 + BQ, k0, k0 + BK))
                         if has_mods:  # modified scores in place (vectorised here, not by a rule)
-                            if not score.tile_unmasked(q0, q0 + BQ, k0, k0 + BK):  # -inf where masked or past Lk
+                            if not whole:  # -inf where masked or past Lk
                                 for j in T.serial(BK):
                                     for i in T.vectorized(BQ):
                                         with T.sblock("score_in_place"):
@@ -231,7 +232,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                                                   ScoreIndex(vb, vh, q0 + vi, k0 + vj), False)
                         # exponents in log2 units: raw scores carry the scale, modified ones are scaled
                         # already (a whole tile of a mask-only spec is left raw)
-                        rewritten = T.meta_var(rewritten_tile(score, has_mods, q0, q0 + BQ, k0, k0 + BK))
+                        rewritten = T.meta_var(rewritten_tile(score, has_mods, whole))
                         src_scale = T.meta_var(T.Select(rewritten, T.float32(LOG2E), scale * T.float32(LOG2E)))
                         for i in T.serial(BQ):
                             with T.sblock("init_stats"):

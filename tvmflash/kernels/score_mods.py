@@ -140,10 +140,9 @@ class Window(ScoreMod):
 
 
 @dataclass(frozen=True)
-class _BoundWindow(ScoreMod):
+class _BoundWindow(Window):  # the bound forms inherit their variant's class flags
     left: tirx.Var
     right: tirx.Var
-    is_mask = True
 
     def apply(self, score, ix, shape):
         gap = _diagonal(ix, shape)
@@ -174,7 +173,7 @@ class Alibi(ScoreMod):
 
 
 @dataclass(frozen=True)
-class _BoundAlibi(ScoreMod):
+class _BoundAlibi(Alibi):
     slopes: tirx.Buffer
 
     def apply(self, score, ix, shape):
@@ -220,9 +219,8 @@ class Softcap(ScoreMod):
 
 
 @dataclass(frozen=True)
-class _BoundSoftcap(ScoreMod):
+class _BoundSoftcap(Softcap):
     cap: tirx.Var
-    unit_grad = False
 
     def apply(self, score, ix, shape):
         return self.cap * _tanh(score * self._inverse())
