@@ -41,7 +41,8 @@ NEG_INF16 = tirx.Broadcast(NEG_INF, 16)
 
 
 def amx_supported(spec: AttentionSpec) -> bool:
-    return spec.dtype == BF16 and spec.head_dim % 32 == 0
+    """bf16, head dims of multiples of 32, no dropout (the generic kernels apply it)."""
+    return spec.dtype == BF16 and spec.head_dim % 32 == 0 and "dropout" not in spec.variants
 
 
 def modified(score: ScorePipeline, s, ix: ScoreIndex, masked: bool = True):

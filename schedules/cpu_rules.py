@@ -21,6 +21,13 @@ def vectorize_inner(sch, block: str) -> None:
     sch.vectorize(sch.get_loops(block)[-1])
 
 
+def vectorize_calls(sch, block: str) -> None:
+    """Dropout's factors: a Philox call serves scores 8 apart, so vectors of 8 scores read
+    the words of 8 consecutive calls (one load, not a gather)."""
+    _, lanes = sch.split(sch.get_loops(block)[-1], [None, 8])
+    sch.vectorize(lanes)
+
+
 def swap_and_vectorize(sch, block: str) -> None:
     """(i, j) -> (j, i), vectorise i: per-query reductions over an S^T tile run along the outer
     axis, and a transposing load writes contiguous vectors."""

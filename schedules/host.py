@@ -14,7 +14,7 @@ Tuned values for a spec come from `tuning_logs/host/`; `DEFAULTS` were picked on
 """
 from __future__ import annotations
 
-from .cpu_rules import register_tile, swap_and_vectorize, vectorize_inner
+from .cpu_rules import register_tile, swap_and_vectorize, vectorize_calls, vectorize_inner
 from .knobs import Knobs
 
 DEFAULTS = {"block_q": 64, "block_k": 64, "bwd_block_q": 64, "bwd_block_k": 64}
@@ -35,6 +35,7 @@ RULES = {
     "load_v": vectorize_inner, "init_acc": vectorize_inner, "score": vectorize_inner,
     "p": vectorize_inner, "ds": vectorize_inner, "store_o": vectorize_inner,
     "zero_dq": vectorize_inner, "store_dq": vectorize_inner, "store_dkdv": vectorize_inner,
+    "p_drop": vectorize_inner, "philox": vectorize_inner, "dropout": vectorize_calls,
 }
 
 
@@ -66,15 +67,17 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
     from ..kernels.forward import forward_kernel
 
     bq, bk = knobs["bwd_block_q"], knobs["bwd_block_k"]
-    return {
+    funcs = {
         "forward": forward_kernel(spec, knobs["block_q"], knobs["block_k"]),
-        "forward_split": forward_split_kernel(spec, SPLIT_BLOCK_ROWS, SPLIT_BLOCK_K),
-        "forward_combine": forward_combine_kernel(spec),
         "backward_delta": backward_delta_kernel(spec, bq),
         "backward_dkdv": backward_dkdv_kernel(spec, bq, bk),
         "backward_dq": backward_dq_kernel(spec, bq, bk),
         "backward_fused": backward_dkdv_kernel(spec, bq, bk, fuse_dq=True),
     }
+    if "dropout" not in spec.variants:  # decode (inference) has no dropout
+        funcs["forward_split"] = forward_split_kernel(spec, SPLIT_BLOCK_ROWS, SPLIT_BLOCK_K)
+        funcs["forward_combine"] = forward_combine_kernel(spec)
+    return funcs
 
 
 def schedule(sch, kernel: str, target: dict, fixed: dict | None = None) -> dict:

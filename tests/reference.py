@@ -22,9 +22,10 @@ def keep_mask(lq, lk, causal="none", mask=None, shape=None, device="cpu"):
 
 
 def attention(q, k, v, causal="none", mask=None, scale=None, dtype=None, window=(-1, -1), softcap=0.0,
-              alibi_slopes=None):
+              alibi_slopes=None, dropout_p=0.0, dropout_keep=None):
     """Returns (out, lse). `dtype` is the compute type (default: q's). window / softcap /
-    alibi_slopes as flash-attn's (bottom-right aligned, softcap before ALiBi)."""
+    alibi_slopes as flash-attn's (bottom-right aligned, softcap before ALiBi). Dropout: the
+    probabilities times `dropout_keep` (bool, (B, H, Lq, Lk)) / (1 - dropout_p); lse unchanged."""
     dtype = dtype or q.dtype
     q, k, v = (x.to(dtype) for x in (q, k, v))
     group = q.shape[1] // k.shape[1]
@@ -51,5 +52,7 @@ def attention(q, k, v, causal="none", mask=None, scale=None, dtype=None, window=
     s = s.masked_fill(dead, 0.0)
     lse = torch.logsumexp(s.float() if dtype != torch.float64 else s, -1, keepdim=True)
     p = torch.exp(s - lse.to(dtype)).masked_fill(dead, 0.0)
+    if dropout_keep is not None:
+        p = p * dropout_keep.to(dtype) / (1 - dropout_p)
     out = p @ v
     return out, lse.squeeze(-1).masked_fill(dead.squeeze(-1), float("-inf"))

@@ -38,7 +38,9 @@ FLASH_CASES = [
     ("alibi dtype", dict(alibi_slopes=torch.ones(4, dtype=torch.float64)), TypeError, "alibi_slopes must be float32"),
     ("alibi list", dict(alibi_slopes=[1.0] * 4), TypeError, "alibi_slopes must be a torch.Tensor"),
     ("alibi needs grad", dict(alibi_slopes=torch.ones(4, requires_grad=True)), NotImplementedError, "alibi_slopes"),
-    ("dropout", dict(dropout_p=0.1), NotImplementedError, "dropout_p"),
+    ("dropout one", dict(dropout_p=1.0), ValueError, r"dropout_p must be in \[0, 1\)"),
+    ("dropout negative", dict(dropout_p=-0.1), ValueError, r"dropout_p must be in \[0, 1\)"),
+    ("dropout string", dict(dropout_p="0.1"), TypeError, "dropout_p must be a float"),
 ]
 
 
@@ -58,7 +60,7 @@ SDPA_CASES = [
     ("mask not a tensor", dict(attn_mask=[[True]]), TypeError, "attn_mask must be a torch.Tensor"),
     ("mask needs grad", dict(attn_mask=torch.zeros(8, 8, requires_grad=True)), NotImplementedError, "attn_mask"),
     ("scale inf", dict(scale=float("inf")), ValueError, "scale must be finite"),
-    ("dropout", dict(dropout_p=0.5), NotImplementedError, "dropout_p"),
+    ("dropout nan", dict(dropout_p=float("nan")), ValueError, "dropout_p must be in"),
     ("value dtype", dict(value=bhsd(dtype=torch.bfloat16)), TypeError, "value has dtype"),
     ("key batch", dict(key=bhsd(b=1), value=bhsd(b=1)), ValueError, "key has batch size 1 but query"),
 ]

@@ -33,9 +33,10 @@ from .cpu import request_amx, runs_avx512_amx, use_torch_threads
 from .spec import AttentionSpec
 from .tuning import tuned_knobs
 
-CPU_KERNELS = ("forward", "forward_split", "forward_combine", "backward_delta", "backward_dkdv", "backward_dq",
+CPU_KERNELS = ("forward", "backward_delta", "backward_dkdv", "backward_dq",
                "backward_fused")
-CPU_OPTIONAL_KERNELS = ("forward_pack", "backward_pack")  # AMX: operand packing
+# AMX operand packing; the split-KV decode forward (not for dropout: training only)
+CPU_OPTIONAL_KERNELS = ("forward_pack", "backward_pack", "forward_split", "forward_combine")
 CUDA_KERNELS = ("forward", "backward_prep", "backward_dkdv_dq", "backward_dq_convert", "backward_dkdv",
                 "backward_dq")
 

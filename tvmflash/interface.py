@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import torch
 
+from . import rng
 from .ops import attention
 from .spec import MAX_HEAD_DIM
 
@@ -78,12 +79,6 @@ def _scale(scale, head_dim: int, name: str) -> float:
     return float(scale)
 
 
-def _unsupported(**features) -> None:
-    for name, active in features.items():
-        if active:
-            raise NotImplementedError(f"{name} is not supported by tvmflash yet")
-
-
 def _check_mask(mask, q, k):
     if mask is None:
         return None
@@ -117,15 +112,19 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     it may be combined with `is_causal`. With `enable_gqa`, H must be a multiple of Hk.
     A query row that sees no key returns zeros (torch's math path does the same). Under
     `torch.use_deterministic_algorithms(True)` the CUDA backward avoids atomics.
+    `dropout_p > 0` drops probabilities as torch does (whenever it is nonzero, so pass 0.0 in
+    eval mode), with a counter-based RNG seeded from torch's generator of the query's device
+    (reproducible under `torch.manual_seed`; the backward regenerates the same mask).
     """
     _check_qkv(query, key, value, ("query", "key", "value"))
     if key.shape[1] != query.shape[1] and not enable_gqa:
         raise ValueError(f"query has {query.shape[1]} heads but key has {key.shape[1]}; "
                          "pass enable_gqa=True for grouped-query attention")
-    _unsupported(dropout_p=dropout_p != 0.0)
+    dropout_p = _check_dropout(dropout_p)
     mask = _check_mask(attn_mask, query, key)
     out, _ = attention(query, key, value, mask, _scale(scale, query.shape[-1], "scale"),
-                       "top_left" if is_causal else "none", torch.are_deterministic_algorithms_enabled())
+                       "top_left" if is_causal else "none", torch.are_deterministic_algorithms_enabled(),
+                       dropout_p=dropout_p, dropout_rng=rng.draw_seed(query.device) if dropout_p else None)
     return out
 
 
@@ -147,6 +146,14 @@ def _check_softcap(softcap) -> float:
     if not (math.isfinite(softcap) and softcap >= 0):
         raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {softcap}")
     return float(softcap)
+
+
+def _check_dropout(dropout_p) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return float(dropout_p)
 
 
 def _check_alibi(alibi_slopes, q):
@@ -177,9 +184,14 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     semantics: `window_size=(left, right)` lets query i see keys i + Lk - Lq - left ...
     i + Lk - Lq + right (-1: unbounded; kv blocks outside the window are skipped);
     `softcap > 0` maps each scaled score s to softcap * tanh(s / softcap); `alibi_slopes`
-    (float32, (H,) or (B, H)) subtracts slope * |i + Lk - Lq - j| after scaling. With
-    `return_attn_probs` returns (out, softmax_lse, None): lse is float32 (B, H, Lq), natural
-    log, -inf for a query that sees no key. `deterministic=True` makes the CUDA backward
+    (float32, (H,) or (B, H)) subtracts slope * |i + Lk - Lq - j| after scaling.
+    `dropout_p` in [0, 1) drops each probability with that chance and scales kept ones by
+    1 / (1 - dropout_p), after the softmax (lse is not affected); the mask comes from a Philox
+    counter-based RNG (tvmflash/rng.py) seeded from torch's generator of q's device, so
+    `torch.manual_seed` reproduces it, and the backward regenerates it. With
+    `return_attn_probs` returns (out, softmax_lse, keep): lse is float32 (B, H, Lq), natural
+    log, -inf for a query that sees no key; keep is the boolean (B, H, Lq, Lk) dropout keep
+    mask (None without dropout; computed in torch, for testing: it takes B*H*Lq*Lk memory). `deterministic=True` makes the CUDA backward
     bitwise reproducible (dQ without atomics, somewhat slower); the CPU backward always is.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -189,8 +201,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     window = _check_window(window_size, causal)
     softcap = _check_softcap(softcap)
     alibi_slopes = _check_alibi(alibi_slopes, qh)
-    _unsupported(dropout_p=dropout_p != 0.0)
+    dropout_p = _check_dropout(dropout_p)
+    seed = rng.draw_seed(q.device) if dropout_p else None
     out, lse = attention(qh, kh, vh, None, _scale(softmax_scale, q.shape[-1], "softmax_scale"),
-                         "bottom_right" if causal else "none", bool(deterministic), *window, softcap, alibi_slopes)
+                         "bottom_right" if causal else "none", bool(deterministic), *window, softcap, alibi_slopes,
+                         dropout_p, seed)
     out = out.transpose(1, 2)
-    return (out, lse, None) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    keep = rng.keep_mask(*qh.shape[:3], kh.shape[2], dropout_p, seed) if dropout_p else None
+    return out, lse, keep

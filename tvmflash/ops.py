@@ -20,11 +20,13 @@ _TORCH_TO_TVM = {torch.float32: "float32", torch.float16: "float16", torch.bfloa
 
 
 def spec_for(q: torch.Tensor, mask: Optional[torch.Tensor], causal: str, window: tuple = (-1, -1),
-             softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None) -> AttentionSpec:
+             softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
+             dropout_p: float = 0.0) -> AttentionSpec:
     """The spec of a call: dtype, head dim, causal mode, mask kind and which variants it uses
     (their values are kernel arguments, `_mod_args`)."""
     variants = tuple(name for name, on in (("softcap", softcap > 0), ("alibi", alibi_slopes is not None),
-                                           ("window", tuple(window) != (-1, -1))) if on)
+                                           ("window", tuple(window) != (-1, -1)), ("dropout", dropout_p > 0))
+                     if on)
     if mask is None:
         kind, mask_dtype = "none", None
     elif mask.dtype == torch.bool:
@@ -74,10 +76,12 @@ def _on_stream(device: torch.device):
             yield
 
 
-def _mod_args(spec: AttentionSpec, shape, mask, window, softcap, alibi_slopes) -> tuple:
+def _mod_args(spec: AttentionSpec, shape, mask, window, softcap, alibi_slopes, dropout_p=0.0,
+              dropout_rng=None) -> tuple:
     """The score modifiers' kernel arguments, in the order the kernels declare them: the mask
     as a (B, H, Lq, Lk) view (broadcast through zero strides, bool as uint8), the window's sizes
-    (an unbounded side as Lq + Lk), the softcap, ALiBi slopes as a (B, H) view."""
+    (an unbounded side as Lq + Lk), the softcap, ALiBi slopes as a (B, H) view, dropout's p
+    and [seed, offset]."""
     B, H, Lq, Lk = shape
     values = {}
     if mask is not None:
@@ -87,17 +91,19 @@ def _mod_args(spec: AttentionSpec, shape, mask, window, softcap, alibi_slopes) -
     values["softcap"] = float(softcap)
     if alibi_slopes is not None:
         values["alibi_slopes"] = alibi_slopes.expand(B, H)
+    values["dropout_p"], values["dropout_rng"] = float(dropout_p), dropout_rng
     return tuple(values[name] for name in spec.kernel_arg_names())
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
               causal: str, deterministic: bool = False, window_left: int = -1, window_right: int = -1,
-              softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+              softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+              dropout_rng: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output and lse, differentiable. Under torch.compile this is the
     `tvmflash::attention_forward` operator (traceable, fake impls); in eager mode the same
     kernels run through a plain autograd.Function, which costs a fraction of the custom op's
     per-call dispatch (tens of microseconds, the whole runtime of a small attention call)."""
-    variant = (window_left, window_right, softcap, alibi_slopes)
+    variant = (window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_rng)
     if torch.compiler.is_compiling():
         return attention_forward(q, k, v, mask, scale, causal, deterministic, *variant)
     return _EagerAttention.apply(q, k, v, mask, scale, causal, deterministic, *variant)
@@ -106,15 +112,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[
 @torch.library.custom_op("tvmflash::attention_forward", mutates_args=())
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                       scale: float, causal: str, deterministic: bool = False, window_left: int = -1,
-                      window_right: int = -1, softcap: float = 0.0,
-                      alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      window_right: int = -1, softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
+                      dropout_p: float = 0.0, dropout_rng: Optional[torch.Tensor] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output and lse. `deterministic` only concerns the backward on CUDA (where dQ
     is otherwise accumulated with atomics); the CPU backward is always deterministic. The
-    variants (window, softcap, ALiBi) have flash-attn's semantics, interface.py validates them."""
-    return _forward(q, k, v, mask, scale, causal, (window_left, window_right), softcap, alibi_slopes)
+    variants (window, softcap, ALiBi, dropout) have flash-attn's semantics, interface.py
+    validates them; `dropout_rng` is the (2,) int64 [seed, offset] on q's device (rng.py)."""
+    return _forward(q, k, v, mask, scale, causal, (window_left, window_right), softcap, alibi_slopes, dropout_p,
+                    dropout_rng)
 
 
-def _forward(q, k, v, mask, scale, causal, window=(-1, -1), softcap=0.0, alibi_slopes=None):
+def _forward(q, k, v, mask, scale, causal, window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+             dropout_rng=None):
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
     out = torch.empty_like(q)
@@ -126,9 +136,9 @@ def _forward(q, k, v, mask, scale, causal, window=(-1, -1), softcap=0.0, alibi_s
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    spec = spec_for(q, mask, causal, window, softcap, alibi_slopes)
+    spec = spec_for(q, mask, causal, window, softcap, alibi_slopes, dropout_p)
     kern = _kernels(spec, q.device)
-    mod_args = _mod_args(spec, (B, H, Lq, Lk), mask, window, softcap, alibi_slopes)
+    mod_args = _mod_args(spec, (B, H, Lq, Lk), mask, window, softcap, alibi_slopes, dropout_p, dropout_rng)
     from .schedules.host import SPLIT_MAX_Q
 
     if "forward_split" in kern and Lq <= SPLIT_MAX_Q:
@@ -191,7 +201,7 @@ def _scratch(name: str, shape: tuple, dtype, tile_rows: bool = False) -> torch.T
 
 @attention_forward.register_fake
 def _(q, k, v, mask, scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
-      alibi_slopes=None):
+      alibi_slopes=None, dropout_p=0.0, dropout_rng=None):
     B, H, Lq, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, H, Lq), dtype=torch.float32)
 
@@ -212,16 +222,17 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
                        mask: Optional[torch.Tensor], scale: float, causal: str,
                        deterministic: bool = False, window_left: int = -1, window_right: int = -1,
-                       softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None
+                       softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
+                       dropout_p: float = 0.0, dropout_rng: Optional[torch.Tensor] = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v. `dlse` (a gradient flowing into the returned lse) enters through
     dS = P * (dP - delta + dlse): it is folded into delta."""
     return _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic,
-                     (window_left, window_right), softcap, alibi_slopes)
+                     (window_left, window_right), softcap, alibi_slopes, dropout_p, dropout_rng)
 
 
 def _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic, window=(-1, -1), softcap=0.0,
-              alibi_slopes=None):
+              alibi_slopes=None, dropout_p=0.0, dropout_rng=None):
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -229,9 +240,9 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic,
         return dq.zero_(), dk.zero_(), dv.zero_()
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    spec = spec_for(q, mask, causal, window, softcap, alibi_slopes)
+    spec = spec_for(q, mask, causal, window, softcap, alibi_slopes, dropout_p)
     kern = _kernels(spec, q.device)
-    mod_args = _mod_args(spec, (B, H, Lq, Lk), mask, window, softcap, alibi_slopes)
+    mod_args = _mod_args(spec, (B, H, Lq, Lk), mask, window, softcap, alibi_slopes, dropout_p, dropout_rng)
     if q.device.type == "cuda":
         _backward_cuda(kern, dout, q, k, v, out, lse, dlse, mod_args, scale, deterministic, dq, dk, dv)
         return dq, dk, dv
@@ -297,27 +308,30 @@ def _backward_cuda(kern, dout, q, k, v, out, lse, dlse, mod_args, scale, determi
 
 @attention_backward.register_fake
 def _(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic=False, window_left=-1, window_right=-1,
-      softcap=0.0, alibi_slopes=None):
+      softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_rng=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-_NO_VARIANT = (-1, -1, 0.0, None)  # window_left, window_right, softcap, alibi_slopes
+# window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_rng
+_NO_VARIANT = (-1, -1, 0.0, None, 0.0, None)
+_NO_GRADS = (None,) * (4 + len(_NO_VARIANT))  # mask, scale, causal, deterministic, variants
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, mask, scale, causal, deterministic, *variant = inputs
-    window_left, window_right, softcap, alibi_slopes = (*variant, *_NO_VARIANT[len(variant):])
+    window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_rng = (*variant, *_NO_VARIANT[len(variant):])
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, mask, alibi_slopes, dropout_rng)
     ctx.scale, ctx.causal, ctx.deterministic = scale, causal, deterministic
-    ctx.window, ctx.softcap = (window_left, window_right), softcap
+    ctx.window, ctx.softcap, ctx.dropout_p = (window_left, window_right), softcap, dropout_p
 
 
 def _gradients(ctx, dout, dlse):
-    q, k, v, out, lse, mask, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, mask, alibi_slopes, dropout_rng = ctx.saved_tensors
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, dlse, mask, ctx.scale, ctx.causal,
-                                    ctx.deterministic, *ctx.window, ctx.softcap, alibi_slopes)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+                                    ctx.deterministic, *ctx.window, ctx.softcap, alibi_slopes, ctx.dropout_p,
+                                    dropout_rng)
+    return dq, dk, dv, *_NO_GRADS
 
 
 attention_forward.register_autograd(_gradients, setup_context=_setup_context)
@@ -327,18 +341,19 @@ class _EagerAttention(torch.autograd.Function):
     """The eager-mode path of `attention`: the operators' implementations without their dispatch."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale, causal, deterministic, window_left, window_right, softcap, alibi_slopes):
-        out, lse = _forward(q, k, v, mask, scale, causal, (window_left, window_right), softcap, alibi_slopes)
-        _setup_context(ctx, (q, k, v, mask, scale, causal, deterministic, window_left, window_right, softcap,
-                             alibi_slopes), (out, lse))
+    def forward(ctx, q, k, v, mask, scale, causal, deterministic, *variant):
+        window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_rng = variant
+        out, lse = _forward(q, k, v, mask, scale, causal, (window_left, window_right), softcap, alibi_slopes,
+                            dropout_p, dropout_rng)
+        _setup_context(ctx, (q, k, v, mask, scale, causal, deterministic, *variant), (out, lse))
         ctx.set_materialize_grads(False)  # no zero dlse to fold into delta when lse is unused
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, mask, alibi_slopes = ctx.saved_tensors
+        q, k, v, out, lse, mask, alibi_slopes, dropout_rng = ctx.saved_tensors
         if dout is None:  # only lse was used
             dout = torch.zeros_like(out)
         dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, mask, ctx.scale, ctx.causal, ctx.deterministic,
-                               ctx.window, ctx.softcap, alibi_slopes)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+                               ctx.window, ctx.softcap, alibi_slopes, ctx.dropout_p, dropout_rng)
+        return dq, dk, dv, *_NO_GRADS

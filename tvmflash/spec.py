@@ -15,7 +15,8 @@ MAX_HEAD_DIM = 256
 # Built-in variants (flash-attn's), in the order the kernels apply them: the value-changing ones
 # (softcap, then ALiBi) before every mask, so a mask's -inf is final. Each maps to the kernel
 # arguments that carry its runtime values (kernels/score_mods.py declares them in this order).
-VARIANT_ARGS = {"softcap": ("softcap",), "alibi": ("alibi_slopes",), "window": ("window_left", "window_right")}
+VARIANT_ARGS = {"softcap": ("softcap",), "alibi": ("alibi_slopes",), "window": ("window_left", "window_right"),
+                "dropout": ("dropout_p", "dropout_rng")}
 VALUE_VARIANTS = ("softcap", "alibi")
 
 
@@ -53,9 +54,10 @@ class AttentionSpec:
     def modifiers(self) -> list:
         """The ScoreMods this spec applies, in order (imports TVM's compiler)."""
         from .kernels import score_mods as sm
+        from .kernels.dropout import Dropout
 
         make = {"causal": lambda: sm.Causal(self.causal), "mask": lambda: sm.Mask(self.mask, self.mask_dtype or self.dtype),
-                "softcap": sm.Softcap, "alibi": sm.Alibi, "window": sm.Window}
+                "softcap": sm.Softcap, "alibi": sm.Alibi, "window": sm.Window, "dropout": Dropout}
         return [make[name]() for name in self._modifier_names()]
 
     def kernel_arg_names(self) -> tuple:

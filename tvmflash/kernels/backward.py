@@ -22,6 +22,7 @@ from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
 from .common import F32, POS_INF, NEG_INF, KernelArgs, Shape, fast_exp
+from .dropout import check_dropout_blocks, dropout_buffers, dropout_tile
 from .score_mods import ScoreIndex, ScorePipeline
 
 
@@ -92,6 +93,8 @@ def backward_dkdv_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 
     here, S (block_q x block_k): the streamed tiles are read row-major and only the task's own
     K and V are transposed, once."""
     D, BQ, BK, dt = spec.head_dim, block_q, block_k, spec.dtype
+    check_dropout_blocks(spec, BQ, BK)
+    WORDS_SHAPE, Z_SHAPE = dropout_buffers(spec, BQ, BK, transposed=False)
     shape = Shape.fresh()
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
     args = KernelArgs()
@@ -110,6 +113,7 @@ def backward_dkdv_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 
     def dkdv_fn():
         T.func_attr({"tirx.noalias": True})
         Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_ACC, scale, score = T.meta_var(declare())
+        drop = T.meta_var(score.dropout)
         NKB = T.meta_var((LK + BK - 1) // BK)
         # tasks per (batch, kv-head) and kv-blocks per task
         SPLIT, TASK_KB = T.meta_var((1, NKB) if fuse_dq else (NKB, 1))
@@ -165,6 +169,11 @@ def backward_dkdv_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 
                             ds = T.sblock_alloc_buffer((BQ, BK), F32)
                             dk_part = T.sblock_alloc_buffer((BK, D), F32)
                             dv_part = T.sblock_alloc_buffer((BK, D), F32)
+                            z = T.sblock_alloc_buffer(Z_SHAPE, F32)  # dropout factors
+                            words = T.sblock_alloc_buffer(WORDS_SHAPE, "uint32")  # their Philox words
+                            pz = T.sblock_alloc_buffer(Z_SHAPE, F32)
+                            p_v = T.meta_var(p if drop is None else pz)  # the P that dV takes
+                            dp_z = T.meta_var(lambda i, j: dp[i, j] if drop is None else dp[i, j] * z[i, j])
                             vh = T.meta_var(vhk * G + vg)
                             q0 = T.meta_var(vqb * BQ)
                             row = T.meta_var(lambda i: T.min(q0 + i, LQ - 1))
@@ -190,12 +199,18 @@ def backward_dkdv_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 
                                     vi, vj = T.axis.remap("SS", [i, j])
                                     p[vi, vj] = fast_exp(
                                         score(s[vi, vj], ScoreIndex(vb, vh, q0 + vi, k0 + vj)) - lse_t[vi])
+                            if drop is not None:  # z = dropout factors; dV takes P z
+                                dropout_tile(drop, words, z, None, vb, vh, q0, k0, BQ, BK, False)
+                                for i, j in T.grid(BQ, BK):
+                                    with T.sblock("p_drop"):
+                                        vi, vj = T.axis.remap("SS", [i, j])
+                                        pz[vi, vj] = p[vi, vj] * z[vi, vj]
                             for j, d, i in T.grid(BK, D, BQ):
                                 with T.sblock("dv"):
                                     vj, vd, vi = T.axis.remap("SSR", [j, d, i])
                                     with T.init():
                                         dv_part[vj, vd] = T.float32(0)
-                                    dv_part[vj, vd] = dv_part[vj, vd] + p[vi, vj] * dos[vi, vd]
+                                    dv_part[vj, vd] = dv_part[vj, vd] + p_v[vi, vj] * dos[vi, vd]
                             for i, j, d in T.grid(BQ, BK, D):
                                 with T.sblock("dp"):
                                     vi, vj, vd = T.axis.remap("SSR", [i, j, d])
@@ -205,7 +220,7 @@ def backward_dkdv_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 
                             for i, j in T.grid(BQ, BK):
                                 with T.sblock("ds"):
                                     vi, vj = T.axis.remap("SS", [i, j])
-                                    ds[vi, vj] = p[vi, vj] * (dp[vi, vj] - delta_t[vi]) * score.grad(
+                                    ds[vi, vj] = p[vi, vj] * (dp_z(vi, vj) - delta_t[vi]) * score.grad(
                                         s[vi, vj], ScoreIndex(vb, vh, q0 + vi, k0 + vj))
                             for j, d, i in T.grid(BK, D, BQ):
                                 with T.sblock("dk"):
@@ -252,6 +267,8 @@ def backward_dkdv_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 
 
 def backward_dq_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 64) -> tirx.PrimFunc:
     D, BQ, BK, dt = spec.head_dim, block_q, block_k, spec.dtype
+    check_dropout_blocks(spec, BQ, BK)
+    WORDS_SHAPE, Z_SHAPE = dropout_buffers(spec, BQ, BK, transposed=True)
     shape = Shape.fresh()
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
     args = KernelArgs()
@@ -266,6 +283,7 @@ def backward_dq_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 64
     def dq_fn():
         T.func_attr({"tirx.noalias": True})
         Q, K, V, DO, LSE, DELTA, DQ, scale, score = T.meta_var(declare())
+        drop = T.meta_var(score.dropout)
         NQB = T.meta_var((LQ + BQ - 1) // BQ)
         for t in T.parallel(B * H * NQB):
             with T.sblock("tile"):
@@ -305,6 +323,9 @@ def backward_dq_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 64
                         dpT = T.sblock_alloc_buffer((BK, BQ), F32)
                         dsT = T.sblock_alloc_buffer((BK, BQ), F32)
                         dq_part = T.sblock_alloc_buffer((BQ, D), F32)
+                        zT = T.sblock_alloc_buffer(Z_SHAPE, F32)  # dropout factors
+                        words = T.sblock_alloc_buffer(WORDS_SHAPE, "uint32")  # their Philox words
+                        dp_z = T.meta_var(lambda j, i: dpT[j, i] if drop is None else dpT[j, i] * zT[j, i])
                         k0 = T.meta_var(vkb * BK)
                         for j, d in T.grid(BK, D):
                             with T.sblock("load_k"):
@@ -330,10 +351,12 @@ def backward_dq_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 64
                                 with T.init():
                                     dpT[vj, vi] = T.float32(0)
                                 dpT[vj, vi] = dpT[vj, vi] + vf[vj, vd] * doT[vd, vi]
+                        if drop is not None:
+                            dropout_tile(drop, words, zT, None, vb, vh, q0, k0, BQ, BK, True)
                         for j, i in T.grid(BK, BQ):
                             with T.sblock("ds"):
                                 vj, vi = T.axis.remap("SS", [j, i])
-                                dsT[vj, vi] = pT[vj, vi] * (dpT[vj, vi] - delta_t[vi]) * score.grad(
+                                dsT[vj, vi] = pT[vj, vi] * (dp_z(vj, vi) - delta_t[vi]) * score.grad(
                                     sT[vj, vi], ScoreIndex(vb, vh, q0 + vi, k0 + vj))
                         for i, d, j in T.grid(BQ, D, BK):
                             with T.sblock("dq"):

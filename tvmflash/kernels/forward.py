@@ -17,6 +17,7 @@ from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
 from .common import F32, NEG_INF, KernelArgs, Shape, fast_exp
+from .dropout import check_dropout_blocks, dropout_buffers, dropout_tile
 from .score_mods import ScoreIndex, ScorePipeline
 
 
@@ -43,6 +44,8 @@ def declare_forward_args(spec: AttentionSpec, shape: Shape, splits: tirx.Var | N
 
 def forward_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 64) -> tirx.PrimFunc:
     D, BQ, BK, dt = spec.head_dim, block_q, block_k, spec.dtype
+    check_dropout_blocks(spec, BQ, BK)
+    WORDS_SHAPE, Z_SHAPE = dropout_buffers(spec, BQ, BK, transposed=True)
     shape = Shape.fresh()
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
 
@@ -91,6 +94,9 @@ def forward_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 64) ->
                         alpha = T.sblock_alloc_buffer((BQ,), F32)
                         ls = T.sblock_alloc_buffer((BQ,), F32)
                         pv = T.sblock_alloc_buffer((BQ, D), F32)
+                        pzT = T.sblock_alloc_buffer(Z_SHAPE, F32)  # P Z (dropout)
+                        words = T.sblock_alloc_buffer(WORDS_SHAPE, "uint32")  # dropout's Philox words
+                        p_v = T.meta_var(pT if score.dropout is None else pzT)  # the P that O takes
                         k0 = T.meta_var(vkb * BK)
                         for j, d in T.grid(BK, D):
                             with T.sblock("load_k"):
@@ -138,12 +144,14 @@ def forward_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 64) ->
                             with T.sblock("l_update"):
                                 vi = T.axis.remap("S", [i])
                                 l[vi] = l[vi] * alpha[vi] + ls[vi]
+                        if score.dropout is not None:  # l sums the undropped P; O takes P Z
+                            dropout_tile(score.dropout, words, pzT, pT, vb, vh, q0, k0, BQ, BK, True)
                         for i, d, j in T.grid(BQ, D, BK):
                             with T.sblock("pv"):
                                 vi, vd, vj = T.axis.remap("SSR", [i, d, j])
                                 with T.init():
                                     pv[vi, vd] = T.float32(0)
-                                pv[vi, vd] = pv[vi, vd] + pT[vj, vi] * vf[vj, vd]
+                                pv[vi, vd] = pv[vi, vd] + p_v[vj, vi] * vf[vj, vd]
                         for i in T.serial(BQ):
                             for d in T.vectorized(D):
                                 with T.sblock("acc_update"):

@@ -6,8 +6,9 @@ same code. A modifier may also narrow the kv range a query block needs (and the 
 kv block needs), which is how kernels *skip* blocks instead of computing and masking them.
 A modifier's runtime values (a window's sizes, ALiBi slopes, the softcap) are kernel arguments
 named by `arg_names`, declared in `bind` in that order, so one compiled module serves every
-value. Variants that come later (dropout, flex score_mod) are new classes here; the kernels do
-not change.
+value. Variants that come later (flex score_mod) are new classes here; the kernels do not
+change. Dropout (kernels/dropout.py) is declared like a modifier but kept apart by
+`ScorePipeline`: it acts on probabilities.
 """
 from __future__ import annotations
 
@@ -243,8 +244,13 @@ class ScorePipeline:
     """The bound modifiers of one kernel, applied in order, plus the sequence bounds."""
 
     def __init__(self, mods, args: KernelArgs, shape: Shape):
+        from .dropout import BoundDropout
+
         self.shape = shape
-        self.mods = [m.bind(args, shape) for m in mods]
+        bound = [m.bind(args, shape) for m in mods]
+        # dropout acts on probabilities, not scores: kernels apply it where they have P
+        self.dropout = next((m for m in bound if isinstance(m, BoundDropout)), None)
+        self.mods = [m for m in bound if not isinstance(m, BoundDropout)]
 
     def __call__(self, score, ix: ScoreIndex, masked: bool = True):
         """Modified score; -inf outside the sequences (tile padding). `masked=False` is for
