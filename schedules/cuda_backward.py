@@ -35,11 +35,13 @@ from tvm.script import tirx as T
 
 from tvmflash.kernels.backward import declare_backward_inputs
 from tvmflash.kernels.common import F32, LOG2E, NEG_INF, KernelArgs, Shape
+from tvmflash.kernels.dropout import check_dropout_blocks
 from tvmflash.kernels.score_mods import ScoreIndex, ScorePipeline
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (PAD, QStepWalk, advance, batch_and_head, copy_row_stats, copy_rows, load_a_trans,
-                       mma_op, smem_scope, transposed_probabilities, warp_gemm_nt, warp_gemm_rn)
+from .cuda_mma import (PAD, QStepWalk, advance, batch_and_head, copy_row_stats, copy_rows, dropout_cols_t,
+                       dropout_rows, dropped_ds, load_a_trans, mma_op, smem_scope, transposed_probabilities,
+                       warp_gemm_nt, warp_gemm_rn)
 
 DEFAULTS = {"bwd_block_n": 128, "bwd_block_m": 64, "bwd_stages": 3, "bwd_dq_chunk": 32, "bwd_d_split": 1,
             "dq_block_m": 64, "dq_block_n": 64}
@@ -151,6 +153,7 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics:
     NW = BN // 16
     NT = NW * 32
     NQ8 = BM // 8           # n8 tiles of a warp's S^T (16 keys x BM queries)
+    check_dropout_blocks(spec, BM, BN)
     DS = knobs["bwd_d_split"]
     if D % (16 * DS):
         raise ValueError(f"bwd_d_split {DS} does not divide head_dim {D} into 16-column tiles")
@@ -207,6 +210,7 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics:
         p = T.alloc_local([NQ8 * 4], dt)
         gs_own = T.alloc_local([1 if score.unit_grad else NQ8 * 4], F32)
         gs = T.meta_var(None if score.unit_grad else gs_own)  # d modified score / d score (softcap)
+        drop = T.meta_var(score.dropout)
         dk = T.alloc_local([ND * 4], F32)
         dv = T.alloc_local([ND * 4], F32)
         dsf = T.alloc_local([BN // 16 * 4], "uint32")
@@ -292,12 +296,14 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics:
                 transposed_probabilities(s, p, stats, buf, NQ8, score, scale, b, h, q0, k0 + kr, lane, False, gs)
             else:
                 transposed_probabilities(s, p, stats, buf, NQ8, score, scale, b, h, q0, k0 + kr, lane, True, gs)
+            if drop is not None:  # dV takes P Z; s keeps P with Z in its sign
+                dropout_cols_t(s, p, drop, NQ8, b, h, q0, k0 + kr, lane)
             warp_gemm_rn(MMA, dv, pw, bf, pool, do_tile, d0, DH // 16, BM // 16, lane)  # dV += P^T dO
             transposed_scores(dp, V_ROW, do_tile)              # dP^T = V dO^T
-            for nt in T.unroll(NQ8):                           # dS^T = P^T (dP^T - delta) [x gs]
+            for nt in T.unroll(NQ8):                           # dS^T = P^T (dP^T [Z] - delta) [x gs]
                 for i in T.unroll(4):
                     idx = T.meta_var(nt * 4 + i)
-                    s[idx] = s[idx] * (dp[idx] - stats[buf, 1, nt * 8 + lane % 4 * 2 + i % 2])
+                    s[idx] = dropped_ds(drop, s[idx], dp[idx], stats[buf, 1, nt * 8 + lane % 4 * 2 + i % 2])
                     if gs is not None:
                         s[idx] = s[idx] * gs[idx]
                     p[idx] = T.Cast(dt, s[idx])
@@ -373,6 +379,7 @@ def dq_kernel(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         p = T.alloc_local([NS * 4], dt)
         gs_own = T.alloc_local([1 if score.unit_grad else NS * 4], F32)
         gs = T.meta_var(None if score.unit_grad else gs_own)  # d modified score / d score (softcap)
+        drop = T.meta_var(score.dropout)
         dq = T.alloc_local([ND * 4], F32)
         lse2 = T.alloc_local([2], F32)
         delta = T.alloc_local([2], F32)
@@ -428,14 +435,16 @@ def dq_kernel(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                 probabilities(k0, False)
             else:
                 probabilities(k0, True)
+            if drop is not None:  # s keeps P with Z in its sign
+                dropout_rows(s, drop, 1, NS, b, h, q0 + qr, k0, lane, True)
             row_scores(dp, DO_ROW, V_ROW + buf * BN)          # dP = dO V^T
-            for nt in T.unroll(NS):                           # dS = P (dP - delta) [x gs]
+            for nt in T.unroll(NS):                           # dS = P (dP [Z] - delta) [x gs]
                 for i in T.unroll(4):
                     idx = T.meta_var(nt * 4 + i)
                     if gs is not None:
-                        p[idx] = T.Cast(dt, s[idx] * (dp[idx] - delta[i // 2]) * gs[idx])
+                        p[idx] = T.Cast(dt, dropped_ds(drop, s[idx], dp[idx], delta[i // 2]) * gs[idx])
                     else:
-                        p[idx] = T.Cast(dt, s[idx] * (dp[idx] - delta[i // 2]))
+                        p[idx] = T.Cast(dt, dropped_ds(drop, s[idx], dp[idx], delta[i // 2]))
             warp_gemm_rn(MMA, dq, pw, bf, pool, k_tile, 0, D // 16, BN // 16, lane)   # dQ += dS K
             T.cuda.cta_sync()
         for hh in T.unroll(2):

@@ -30,8 +30,8 @@ from tvmflash.kernels.common import F32, Shape
 from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (PAD, batch_and_head, copy_rows, load_a, load_b, load_b_trans, mma_16x16, mma_op,
-                       rescale_rows, smem_scope, softmax_tile, store_output, to_a_fragments)
+from .cuda_mma import (PAD, batch_and_head, copy_rows, dropout_rows, load_a, load_b, load_b_trans, mma_16x16,
+                       mma_op, rescale_rows, smem_scope, softmax_tile, store_output, to_a_fragments)
 
 DEFAULTS = {"block_m": 128, "block_n": 64, "q_in_registers": 1, "warp_m_tiles": 1, "stages": 2}
 
@@ -141,6 +141,8 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                 softmax_tile(s, m, l, mx, alpha, MT, NS, score, scale, b, h, q0 + row0, k0, lane, False)
             else:
                 softmax_tile(s, m, l, mx, alpha, MT, NS, score, scale, b, h, q0 + row0, k0, lane, True)
+            if score.dropout is not None:  # l has the undropped P; O takes P Z
+                dropout_rows(s, score.dropout, MT, NS, b, h, q0 + row0, k0, lane, False)
             to_a_fragments(s, p, MT * NS * 4)
             rescale_rows(o, alpha, MT, ND)
             # O += P V: the f32 S fragments of two n8 tiles, as f16/bf16, are the A fragment

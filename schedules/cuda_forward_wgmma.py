@@ -26,7 +26,7 @@ from tvmflash.kernels.common import F32, Shape
 from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import batch_and_head, rescale_rows, softmax_tile, store_output, to_a_fragments
+from .cuda_mma import batch_and_head, dropout_rows, rescale_rows, softmax_tile, store_output, to_a_fragments
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
                          gemm_ss_kmajor, wgmma_op)
 
@@ -97,6 +97,8 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                 softmax_tile(s, m, l, mx, alpha, 1, NS, score, scale, b, h, q0 + row0, k0, lane, False)
             else:
                 softmax_tile(s, m, l, mx, alpha, 1, NS, score, scale, b, h, q0 + row0, k0, lane, True)
+            if score.dropout is not None:  # l has the undropped P; O takes P Z
+                dropout_rows(s, score.dropout, 1, NS, b, h, q0 + row0, k0, lane, False)
 
         @T.inline
         def issue_s(kv_block):

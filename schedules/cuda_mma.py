@@ -248,3 +248,47 @@ def transposed_probabilities(s, p, stats, slot, nq8, score, scale, b, h, q0, key
                 else:
                     s[idx] = T.exp2(s[idx] * (scale * T.float32(LOG2E)) - stats[slot, 0, qc])
                 p[idx] = T.Cast(p.dtype, s[idx])
+
+
+@T.inline
+def dropout_rows(s, drop, n_mt, ns, b, h, q_row0, k0, lane, signed):
+    """Dropout on P in S-layout fragments (n_mt m-tiles of 16 queries from q_row0, a multiple
+    of 16; ns n8 tiles of keys from k0, a multiple of 16): s *= Z, or with `signed` s keeps
+    P and is negated where dropped (the backward's dS reads Z back from the sign). One Philox
+    call serves a thread's scores at rows +8, +16, +24 and columns +8 (kernels/dropout.py)."""
+    for nn in T.unroll(ns // 2):
+        for e in T.unroll(2):
+            w = T.meta_var(drop.words(b, h, q_row0 + lane // 4, k0 + nn * 16 + lane % 4 * 2 + e))
+            for mt in T.unroll(n_mt):
+                for hh in T.unroll(2):
+                    for t in T.unroll(2):
+                        idx = T.meta_var((mt * ns + nn * 2 + t) * 4 + hh * 2 + e)
+                        z = T.meta_var(drop.factor(w, (q_row0 + mt * 16 + hh * 8) // 8 % 4 * 2 + t))
+                        if signed:
+                            s[idx] = T.Select(z > T.float32(0), s[idx], -s[idx])
+                        else:
+                            s[idx] = s[idx] * z
+
+
+@T.inline
+def dropout_cols_t(s, p, drop, nq8, b, h, q0, key0, lane):
+    """Dropout on P^T in S^T-layout fragments (16 keys from key0, a multiple of 16; nq8 n8
+    tiles of queries from q0, a multiple of 32) holding P: p = P Z (the dV operand), s keeps P,
+    negated where dropped."""
+    for nq in T.unroll(nq8 // 4):
+        for e in T.unroll(2):
+            w = T.meta_var(drop.words(b, h, q0 + nq * 32 + lane % 4 * 2 + e, key0 + lane // 4))
+            for a in T.unroll(4):
+                for hh in T.unroll(2):
+                    idx = T.meta_var((nq * 4 + a) * 4 + hh * 2 + e)
+                    z = T.meta_var(drop.factor(w, a * 2 + hh))
+                    p[idx] = T.Cast(p.dtype, s[idx] * z)
+                    s[idx] = T.Select(z > T.float32(0), s[idx], -s[idx])
+
+
+def dropped_ds(drop, p_signed, dp, delta):
+    """dS = P (dP Z - delta) from a sign-encoded P (dropout_rows / dropout_cols_t); without
+    dropout P (dP - delta)."""
+    if drop is None:
+        return p_signed * (dp - delta)
+    return T.abs(p_signed) * (T.Select(p_signed >= T.float32(0), dp * drop.scale, T.float32(0)) - delta)

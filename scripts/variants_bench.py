@@ -22,6 +22,8 @@ CASES = [
     ("window 256 (causal)", dict(causal=True), dict(causal=True, window_size=(256, 0))),
     ("ALiBi (causal)", dict(causal=True), dict(causal=True, alibi_slopes="slopes")),
     ("softcap 30 (non-causal)", dict(causal=False), dict(causal=False, softcap=30.0)),
+    ("dropout 0.1 (non-causal)", dict(causal=False), dict(causal=False, dropout_p=0.1)),
+    ("dropout 0.1 (causal)", dict(causal=True), dict(causal=True, dropout_p=0.1)),
 ]
 
 
@@ -45,7 +47,8 @@ def specs() -> set:
             causal = kw.get("causal", False)
             left, right = kw.get("window_size", (-1, -1))
             out.add(spec_for(q, None, "bottom_right" if causal else "none", (left, -1 if causal else right),
-                             kw.get("softcap", 0.0), torch.ones(1) if "alibi_slopes" in kw else None))
+                             kw.get("softcap", 0.0), torch.ones(1) if "alibi_slopes" in kw else None,
+                             kw.get("dropout_p", 0.0)))
     return out
 
 

@@ -120,7 +120,9 @@ def _sources_digest(target: dict) -> str:
     cuda = target["kind"] == "cuda"
     schedules = [p for p in sorted(SCHEDULES_DIR.glob("*.py")) if p.name.startswith("cuda_") == cuda]
     h = hashlib.sha256()
-    for path in sorted((PACKAGE_DIR / "kernels").glob("*.py")) + schedules:
+    # what generates kernels: the kernels, the spec (its modifier order), the dropout RNG
+    generators = sorted((PACKAGE_DIR / "kernels").glob("*.py")) + [PACKAGE_DIR / "spec.py", PACKAGE_DIR / "rng.py"]
+    for path in generators + schedules:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()
