@@ -340,6 +340,7 @@ def dq_kernel(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     _check(spec)
     D, dt = spec.head_dim, spec.dtype
     BM, BN = knobs["dq_block_m"], knobs["dq_block_n"]
+    check_dropout_blocks(spec, BM, BN)
     if BN % 16 or BM % 16:
         raise ValueError(f"dq_block_m and dq_block_n must be multiples of 16, got {BM}, {BN}")
     MMA = mma_op(dt)

@@ -27,6 +27,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmflash.kernels.common import F32, Shape
+from tvmflash.kernels.dropout import check_dropout_blocks
 from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.spec import AttentionSpec
 
@@ -60,6 +61,7 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     if BM % WM or BN % 16:
         raise ValueError(f"block_m {BM} must be a multiple of 16 * warp_m_tiles, block_n {BN} of 16")
     NW = BM // WM
+    check_dropout_blocks(spec, BM, BN)
     NT = NW * 32
     NS = BN // 8           # n8 tiles of S per m-tile
     ND = D // 8            # n8 tiles of O per m-tile

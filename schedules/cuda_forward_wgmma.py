@@ -23,6 +23,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmflash.kernels.common import F32, Shape
+from tvmflash.kernels.dropout import check_dropout_blocks
 from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.spec import AttentionSpec
 
@@ -52,6 +53,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     if BN % 16 or not 16 <= BN <= 256 or NWG not in (1, 2, 3):
         raise ValueError(f"bad wgmma forward knobs {knobs}")
     BM = 64 * NWG
+    check_dropout_blocks(spec, BM, BN)
     NT = 128 * NWG
     NS, ND = BN // 8, D // 8    # n8 accumulator tiles of S and of O
     OP_S, OP_O = wgmma_op(dt, BN), wgmma_op(dt, D)

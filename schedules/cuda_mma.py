@@ -253,17 +253,17 @@ def transposed_probabilities(s, p, stats, slot, nq8, score, scale, b, h, q0, key
 @T.inline
 def dropout_rows(s, drop, n_mt, ns, b, h, q_row0, k0, lane, signed):
     """Dropout on P in S-layout fragments (n_mt m-tiles of 16 queries from q_row0, a multiple
-    of 16; ns n8 tiles of keys from k0, a multiple of 16): s *= Z, or with `signed` s keeps
+    of 16; ns n8 tiles of keys from k0, a multiple of 32): s *= Z, or with `signed` s keeps
     P and is negated where dropped (the backward's dS reads Z back from the sign). One Philox
-    call serves a thread's scores at rows +8, +16, +24 and columns +8 (kernels/dropout.py)."""
-    for nn in T.unroll(ns // 2):
-        for e in T.unroll(2):
-            w = T.meta_var(drop.words(b, h, q_row0 + lane // 4, k0 + nn * 16 + lane % 4 * 2 + e))
-            for mt in T.unroll(n_mt):
+    call serves a thread's rows g, g + 8 and columns +8, +16, +24 (tvmflash/rng.py)."""
+    for mt in T.unroll(n_mt):
+        for nq in T.unroll(ns // 4):
+            for e in T.unroll(2):
+                w = T.meta_var(drop.words(b, h, q_row0 + mt * 16 + lane // 4, k0 + nq * 32 + lane % 4 * 2 + e))
                 for hh in T.unroll(2):
-                    for t in T.unroll(2):
-                        idx = T.meta_var((mt * ns + nn * 2 + t) * 4 + hh * 2 + e)
-                        z = T.meta_var(drop.factor(w, (q_row0 + mt * 16 + hh * 8) // 8 % 4 * 2 + t))
+                    for t in T.unroll(4):
+                        idx = T.meta_var((mt * ns + nq * 4 + t) * 4 + hh * 2 + e)
+                        z = T.meta_var(drop.factor(w, hh * 4 + t))
                         if signed:
                             s[idx] = T.Select(z > T.float32(0), s[idx], -s[idx])
                         else:
@@ -273,15 +273,15 @@ def dropout_rows(s, drop, n_mt, ns, b, h, q_row0, k0, lane, signed):
 @T.inline
 def dropout_cols_t(s, p, drop, nq8, b, h, q0, key0, lane):
     """Dropout on P^T in S^T-layout fragments (16 keys from key0, a multiple of 16; nq8 n8
-    tiles of queries from q0, a multiple of 32) holding P: p = P Z (the dV operand), s keeps P,
-    negated where dropped."""
-    for nq in T.unroll(nq8 // 4):
+    tiles of queries from q0, a multiple of 16) holding P: p = P Z (the dV operand), s keeps P,
+    negated where dropped. A thread holds two of the four key rows of each call."""
+    for nq in T.unroll(nq8 // 2):
         for e in T.unroll(2):
-            w = T.meta_var(drop.words(b, h, q0 + nq * 32 + lane % 4 * 2 + e, key0 + lane // 4))
-            for a in T.unroll(4):
+            w = T.meta_var(drop.words(b, h, q0 + nq * 16 + lane % 4 * 2 + e, key0 + lane // 4))
+            for a in T.unroll(2):
                 for hh in T.unroll(2):
-                    idx = T.meta_var((nq * 4 + a) * 4 + hh * 2 + e)
-                    z = T.meta_var(drop.factor(w, a * 2 + hh))
+                    idx = T.meta_var((nq * 2 + a) * 4 + hh * 2 + e)
+                    z = T.meta_var(drop.factor(w, a * 4 + key0 // 8 % 4 + hh))
                     p[idx] = T.Cast(p.dtype, s[idx] * z)
                     s[idx] = T.Select(z > T.float32(0), s[idx], -s[idx])
 

@@ -7,10 +7,10 @@ One generator serves every backend: `philox` is written over a small set of inte
 torch int64 tensors. Here is what both compute:
 
 - One Philox call yields four 32-bit words = eight 16-bit uniforms, for the eight scores
-  (i + 8a, j + 8t), a < 4, t < 2, of query block i // 32 and key block j // 16 that share i % 8
-  and j % 8. That grouping matches the register fragments of the tensor-core kernels in both
-  orientations (a thread holds rows g, g + 8 and columns c, c + 8 of S and of S^T), so a
-  thread computes each call once.
+  (i + 8a, j + 8t), a < 2, t < 4, of query block i // 16 and key block j // 32 that share i % 8
+  and j % 8. That grouping matches the tensor cores' register fragments (a thread holds rows
+  g, g + 8 and columns c + 8n of S): in the forward and the dQ kernel a thread uses all eight
+  uniforms of each call it makes, in the dK/dV kernel (S^T: two keys a thread) four.
 - counter = (key call J, query call I, batch * heads + head, offset), key = the seed's two words.
 - A score is kept when its 16-bit uniform is below round((1 - p) * 2^16); kept probabilities
   are scaled by 1 / (1 - p) (flash-attn and torch do the same).
@@ -52,7 +52,7 @@ def philox(counter, key, ops: Ops, rounds: int = ROUNDS) -> list:
 def call_of(i, j):
     """(I, J, slot): the Philox call of score (query i, key j) and which of its eight 16-bit
     uniforms is the score's (works on ints and on integer expressions alike)."""
-    return (i // 32 * 8 + i % 8, j // 16 * 8 + j % 8, i // 8 % 4 * 2 + j // 8 % 2)
+    return (i // 16 * 8 + i % 8, j // 32 * 8 + j % 8, i // 8 % 2 * 4 + j // 8 % 4)
 
 
 def keep_threshold(dropout_p: float) -> int:

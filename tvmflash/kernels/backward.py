@@ -13,7 +13,8 @@
 Neither path uses atomics: dQ is accumulated per q-block by its own task (recomputing S and dP
 once more), or by the single task that owns the head. Every gradient is bitwise reproducible.
 Same transposed (kv x q) tiles and block names as the forward, so the schedules reuse their
-rules. Q is pre-scaled, which makes dK = dS^T (scale Q) come out scaled.
+rules. Q is pre-scaled, which makes dK = dS^T (scale Q) come out scaled. With dropout
+(kernels/dropout.py) the regenerated factors Z enter as dV += (P Z)^T dO, dS = P (dP Z - delta).
 """
 from __future__ import annotations
 

@@ -91,9 +91,10 @@ class BoundDropout(Dropout):
 
 
 def check_dropout_blocks(spec, block_q: int, block_k: int) -> None:
-    """The Philox grouping needs query blocks of a multiple of 32 rows, key blocks of 16."""
-    if "dropout" in spec.variants and (block_q % 32 or block_k % 16):
-        raise ValueError(f"dropout needs query blocks that are multiples of 32 and key blocks of 16, "
+    """The Philox grouping (rng.call_of) needs query blocks of a multiple of 16 rows, key
+    blocks of 32."""
+    if "dropout" in spec.variants and (block_q % 16 or block_k % 32):
+        raise ValueError(f"dropout needs query blocks that are multiples of 16 and key blocks of 32, "
                          f"got {block_q} x {block_k}")
 
 
@@ -102,23 +103,23 @@ def dropout_buffers(spec, block_q: int, block_k: int, transposed: bool):
     axis, calls along its inner axis) and a tile of factors; 1-element stand-ins without dropout."""
     if "dropout" not in spec.variants:
         return (1, 1, 1), (1, 1)
-    calls = (block_k // 2, block_q // 4) if transposed else (block_q // 4, block_k // 2)
+    calls = (block_k // 4, block_q // 2) if transposed else (block_q // 2, block_k // 4)
     return (4, *calls), ((block_k, block_q) if transposed else (block_q, block_k))
 
 
 @T.inline
 def dropout_tile(drop, words, dst, src, b, h, q0, k0, block_q, block_k, transposed):
-    """Dropout factors Z of the block_q x block_k scores from (q0, k0) (multiples of 32 and
-    16) into `dst` (S^T, [key][query], if `transposed`, else [query][key]), or `src` * Z where
+    """Dropout factors Z of the block_q x block_k scores from (q0, k0) (multiples of 16 and
+    32) into `dst` (S^T, [key][query], if `transposed`, else [query][key]), or `src` * Z where
     `src` is a tile (never in place: s_tir schedules need blocks free of write-after-read).
     First one "philox" block instance per call (its four words into `words`, shaped by
     `dropout_buffers`), then an element-wise "dropout" block picks each score's uniform."""
-    n_i, n_j = T.meta_var((block_q // 4, block_k // 2))  # calls along queries, keys
+    n_i, n_j = T.meta_var((block_q // 2, block_k // 4))  # calls along queries, keys
     for c_out, c_in in T.grid(n_j if transposed else n_i, n_i if transposed else n_j):
         with T.sblock("philox"):
             vo, vn = T.axis.remap("SS", [c_out, c_in])
             ci, cj = T.meta_var((vn, vo) if transposed else (vo, vn))
-            w = T.meta_var(drop.words(b, h, q0 + ci // 8 * 32 + ci % 8, k0 + cj // 8 * 16 + cj % 8))
+            w = T.meta_var(drop.words(b, h, q0 + ci // 8 * 16 + ci % 8, k0 + cj // 8 * 32 + cj % 8))
             words[0, vo, vn] = w[0]
             words[1, vo, vn] = w[1]
             words[2, vo, vn] = w[2]
@@ -127,8 +128,7 @@ def dropout_tile(drop, words, dst, src, b, h, q0, k0, block_q, block_k, transpos
         with T.sblock("dropout"):
             vr, vc = T.axis.remap("SS", [r, c])
             i, j = T.meta_var((vc, vr) if transposed else (vr, vc))
-            slot = T.meta_var(rng.call_of(i, j)[2])  # q0, k0 are multiples of 32, 16
-            ci, cj = T.meta_var((i // 32 * 8 + i % 8, j // 16 * 8 + j % 8))
+            ci, cj, slot = T.meta_var(rng.call_of(i, j))  # q0, k0 are multiples of 16, 32
             word = T.meta_var(words[slot // 2, cj, ci] if transposed else words[slot // 2, ci, cj])
             if src is None:
                 dst[vr, vc] = drop.word_factor(word, slot % 2)

@@ -6,7 +6,8 @@ max/sum reductions run along the outer axis and vectorise over queries, and only
 transposed, once per task. Q is pre-scaled, so `qk` yields scale * q.k directly.
 
 Outputs: O (any strides, head dim unit-stride) and lse = m + log(l) (natural log, fp32);
-a query that sees no key gets O = 0 and lse = -inf.
+a query that sees no key gets O = 0 and lse = -inf. Dropout multiplies P by its factors
+after the row sums (kernels/dropout.py).
 The split-KV forward for decode (few queries) is in decode.py.
 How these blocks map to a CPU is in schedules/ (block names are that interface).
 """
