@@ -22,10 +22,12 @@ def keep_mask(lq, lk, causal="none", mask=None, shape=None, device="cpu"):
 
 
 def attention(q, k, v, causal="none", mask=None, scale=None, dtype=None, window=(-1, -1), softcap=0.0,
-              alibi_slopes=None, dropout_p=0.0, dropout_keep=None):
+              alibi_slopes=None, dropout_p=0.0, dropout_keep=None, score_mod=None, mask_mod=None):
     """Returns (out, lse). `dtype` is the compute type (default: q's). window / softcap /
     alibi_slopes as flash-attn's (bottom-right aligned, softcap before ALiBi). Dropout: the
-    probabilities times `dropout_keep` (bool, (B, H, Lq, Lk)) / (1 - dropout_p); lse unchanged."""
+    probabilities times `dropout_keep` (bool, (B, H, Lq, Lk)) / (1 - dropout_p); lse unchanged.
+    flex's `score_mod(score, b, h, q_idx, kv_idx)` and `mask_mod(b, h, q_idx, kv_idx)` are called
+    on broadcast index tensors, as torch's own math path does."""
     dtype = dtype or q.dtype
     q, k, v = (x.to(dtype) for x in (q, k, v))
     group = q.shape[1] // k.shape[1]
@@ -34,6 +36,10 @@ def attention(q, k, v, causal="none", mask=None, scale=None, dtype=None, window=
     s = (q @ k.transpose(-1, -2)) * scale
     lq, lk = q.shape[2], k.shape[2]
     gap = (torch.arange(lq, device=s.device)[:, None] + lk - lq - torch.arange(lk, device=s.device)[None, :])
+    idx = [torch.arange(n, device=s.device).view([-1 if d == i else 1 for d in range(4)])
+           for i, n in enumerate(s.shape)]  # b, h, q_idx, kv_idx
+    if score_mod is not None:
+        s = score_mod(s, *idx)
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     if alibi_slopes is not None:
@@ -42,6 +48,8 @@ def attention(q, k, v, causal="none", mask=None, scale=None, dtype=None, window=
     if mask is not None and mask.dtype != torch.bool:
         s = s + mask.to(dtype)
     keep = keep_mask(q.shape[2], k.shape[2], causal, mask, s.shape, s.device)
+    if mask_mod is not None:
+        keep = keep & torch.broadcast_to(mask_mod(*idx), keep.shape)
     left, right = window
     if left >= 0:
         keep = keep & (gap <= left)

@@ -19,9 +19,21 @@ from .spec import AttentionSpec
 _TORCH_TO_TVM = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
+_FLEX_PROGRAMS: dict = {}  # key -> ((role, flex.Program), ...): traced score/mask mods by name
+
+
+def register_flex(programs: tuple) -> str:
+    """A string key for traced flex programs (what the custom ops can carry)."""
+    import hashlib
+
+    key = hashlib.sha256(repr(programs).encode()).hexdigest()[:16]
+    _FLEX_PROGRAMS[key] = programs
+    return key
+
+
 def spec_for(q: torch.Tensor, mask: Optional[torch.Tensor], causal: str, window: tuple = (-1, -1),
              softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
-             dropout_p: float = 0.0) -> AttentionSpec:
+             dropout_p: float = 0.0, flex: str = "") -> AttentionSpec:
     """The spec of a call: dtype, head dim, causal mode, mask kind and which variants it uses
     (their values are kernel arguments, `_mod_args`)."""
     variants = tuple(name for name, on in (("softcap", softcap > 0), ("alibi", alibi_slopes is not None),
@@ -35,7 +47,8 @@ def spec_for(q: torch.Tensor, mask: Optional[torch.Tensor], causal: str, window:
         kind, mask_dtype = "additive", _TORCH_TO_TVM[mask.dtype]
         mask_dtype = None if mask_dtype == _TORCH_TO_TVM[q.dtype] else mask_dtype
     return AttentionSpec(dtype=_TORCH_TO_TVM[q.dtype], head_dim=q.shape[-1], causal=causal,
-                         mask=kind, mask_dtype=mask_dtype, variants=variants)
+                         mask=kind, mask_dtype=mask_dtype, variants=variants,
+                         **({"flex": _FLEX_PROGRAMS[flex]} if flex else {}))
 
 
 _loaded: dict = {}  # (spec, device, CPU target choice) -> kernels: the per-call fast path
@@ -77,7 +90,7 @@ def _on_stream(device: torch.device):
 
 
 def _mod_args(spec: AttentionSpec, shape, mask, window, softcap, alibi_slopes, dropout_p=0.0,
-              dropout_rng=None) -> tuple:
+              dropout_rng=None, flex_captures=None) -> tuple:
     """The score modifiers' kernel arguments, in the order the kernels declare them: the mask
     as a (B, H, Lq, Lk) view (broadcast through zero strides, bool as uint8), the window's sizes
     (an unbounded side as Lq + Lk), the softcap, ALiBi slopes as a (B, H) view, dropout's p
@@ -92,20 +105,28 @@ def _mod_args(spec: AttentionSpec, shape, mask, window, softcap, alibi_slopes, d
     if alibi_slopes is not None:
         values["alibi_slopes"] = alibi_slopes.expand(B, H)
     values["dropout_p"], values["dropout_rng"] = float(dropout_p), dropout_rng
+    captures = iter(flex_captures or ())
+    for role, program in getattr(spec, "flex", ()):
+        for k in range(len(program.captures)):
+            t = next(captures)
+            values[f"{role}_capture{k}"] = t.view(torch.uint8) if t.dtype == torch.bool else t
     return tuple(values[name] for name in spec.kernel_arg_names())
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
               causal: str, deterministic: bool = False, window_left: int = -1, window_right: int = -1,
               softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-              dropout_rng: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+              dropout_rng: Optional[torch.Tensor] = None, flex: str = "",
+              flex_captures: Optional[list] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output and lse, differentiable. Under torch.compile this is the
     `tvmflash::attention_forward` operator (traceable, fake impls); in eager mode the same
     kernels run through a plain autograd.Function, which costs a fraction of the custom op's
     per-call dispatch (tens of microseconds, the whole runtime of a small attention call)."""
-    variant = (window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_rng)
+    variant = (window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_rng, flex, flex_captures)
     if torch.compiler.is_compiling():
-        return attention_forward(q, k, v, mask, scale, causal, deterministic, *variant)
+        if flex:
+            raise NotImplementedError("tvmflash.flex_attention under torch.compile is not supported yet")
+        return attention_forward(q, k, v, mask, scale, causal, deterministic, *variant[:-2])
     return _EagerAttention.apply(q, k, v, mask, scale, causal, deterministic, *variant)
 
 
@@ -124,7 +145,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: O
 
 
 def _forward(q, k, v, mask, scale, causal, window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-             dropout_rng=None):
+             dropout_rng=None, flex="", flex_captures=None):
+    """The forward; `flex` names traced score/mask programs (register_flex, eager mode only),
+    `flex_captures` are their captured tensors."""
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
     out = torch.empty_like(q)
@@ -136,9 +159,10 @@ def _forward(q, k, v, mask, scale, causal, window=(-1, -1), softcap=0.0, alibi_s
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    spec = spec_for(q, mask, causal, window, softcap, alibi_slopes, dropout_p)
+    spec = spec_for(q, mask, causal, window, softcap, alibi_slopes, dropout_p, flex)
     kern = _kernels(spec, q.device)
-    mod_args = _mod_args(spec, (B, H, Lq, Lk), mask, window, softcap, alibi_slopes, dropout_p, dropout_rng)
+    mod_args = _mod_args(spec, (B, H, Lq, Lk), mask, window, softcap, alibi_slopes, dropout_p, dropout_rng,
+                         flex_captures)
     from .schedules.host import SPLIT_MAX_Q
 
     if "forward_split" in kern and Lq <= SPLIT_MAX_Q:
@@ -232,7 +256,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 
 def _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic, window=(-1, -1), softcap=0.0,
-              alibi_slopes=None, dropout_p=0.0, dropout_rng=None):
+              alibi_slopes=None, dropout_p=0.0, dropout_rng=None, flex="", flex_captures=None):
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -240,9 +264,10 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic,
         return dq.zero_(), dk.zero_(), dv.zero_()
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    spec = spec_for(q, mask, causal, window, softcap, alibi_slopes, dropout_p)
+    spec = spec_for(q, mask, causal, window, softcap, alibi_slopes, dropout_p, flex)
     kern = _kernels(spec, q.device)
-    mod_args = _mod_args(spec, (B, H, Lq, Lk), mask, window, softcap, alibi_slopes, dropout_p, dropout_rng)
+    mod_args = _mod_args(spec, (B, H, Lq, Lk), mask, window, softcap, alibi_slopes, dropout_p, dropout_rng,
+                         flex_captures)
     if q.device.type == "cuda":
         _backward_cuda(kern, dout, q, k, v, out, lse, dlse, mod_args, scale, deterministic, dq, dk, dv)
         return dq, dk, dv
@@ -312,18 +337,19 @@ def _(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic=False, w
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-# window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_rng
-_NO_VARIANT = (-1, -1, 0.0, None, 0.0, None)
+# window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_rng, flex, flex_captures
+_NO_VARIANT = (-1, -1, 0.0, None, 0.0, None, "", None)
 _NO_GRADS = (None,) * (4 + len(_NO_VARIANT))  # mask, scale, causal, deterministic, variants
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, mask, scale, causal, deterministic, *variant = inputs
-    window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_rng = (*variant, *_NO_VARIANT[len(variant):])
+    window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_rng, flex, flex_captures = (
+        *variant, *_NO_VARIANT[len(variant):])
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask, alibi_slopes, dropout_rng)
+    ctx.save_for_backward(q, k, v, out, lse, mask, alibi_slopes, dropout_rng, *(flex_captures or ()))
     ctx.scale, ctx.causal, ctx.deterministic = scale, causal, deterministic
-    ctx.window, ctx.softcap, ctx.dropout_p = (window_left, window_right), softcap, dropout_p
+    ctx.window, ctx.softcap, ctx.dropout_p, ctx.flex = (window_left, window_right), softcap, dropout_p, flex
 
 
 def _gradients(ctx, dout, dlse):
@@ -331,7 +357,7 @@ def _gradients(ctx, dout, dlse):
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, dlse, mask, ctx.scale, ctx.causal,
                                     ctx.deterministic, *ctx.window, ctx.softcap, alibi_slopes, ctx.dropout_p,
                                     dropout_rng)
-    return dq, dk, dv, *_NO_GRADS
+    return dq, dk, dv, *_NO_GRADS[:-2]
 
 
 attention_forward.register_autograd(_gradients, setup_context=_setup_context)
@@ -342,18 +368,19 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale, causal, deterministic, *variant):
-        window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_rng = variant
+        window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_rng, flex, flex_captures = variant
         out, lse = _forward(q, k, v, mask, scale, causal, (window_left, window_right), softcap, alibi_slopes,
-                            dropout_p, dropout_rng)
+                            dropout_p, dropout_rng, flex, flex_captures)
         _setup_context(ctx, (q, k, v, mask, scale, causal, deterministic, *variant), (out, lse))
         ctx.set_materialize_grads(False)  # no zero dlse to fold into delta when lse is unused
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, mask, alibi_slopes, dropout_rng = ctx.saved_tensors
+        q, k, v, out, lse, mask, alibi_slopes, dropout_rng, *flex_captures = ctx.saved_tensors
         if dout is None:  # only lse was used
             dout = torch.zeros_like(out)
         dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, mask, ctx.scale, ctx.causal, ctx.deterministic,
-                               ctx.window, ctx.softcap, alibi_slopes, ctx.dropout_p, dropout_rng)
+                               ctx.window, ctx.softcap, alibi_slopes, ctx.dropout_p, dropout_rng, ctx.flex,
+                               flex_captures)
         return dq, dk, dv, *_NO_GRADS

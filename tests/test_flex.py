@@ -1,0 +1,126 @@
+"""flex_attention: score_mod / mask_mod written in torch are traced into the kernels (forward,
+lse and every gradient, the score_mod's derivative taken from the traced program) and checked
+against the float64 reference calling the same functions on index tensors, and against torch's
+own flex_attention; create_block_mask against torch's; clear errors for what cannot be traced."""
+import pytest
+import torch
+
+from tvmflash import flex
+from test_attention import DTYPES, check_against_reference, make
+
+L_DOC = 300  # document ids cover this many positions
+
+
+def _tables(h):
+    g = torch.Generator().manual_seed(4)
+    return {"slopes": torch.rand(h, generator=g) * 0.2, "bias": torch.randn(h, 2 * L_DOC, generator=g) * 0.5,
+            "doc": torch.cat([torch.full((n,), i) for i, n in enumerate((40, 90, 1, 169))])}
+
+
+def _mods(case, t):
+    """(score_mod, mask_mod) of a named case; t: captured tables."""
+    causal = lambda b, h, q, kv: q >= kv  # noqa: E731
+    return {
+        "causal mask": (None, causal),
+        "alibi score": (lambda s, b, h, q, kv: s - t["slopes"][h] * torch.abs(q - kv), None),
+        "softcap score": (lambda s, b, h, q, kv: 20 * torch.tanh(s / 20), None),
+        "relative bias + causal": (lambda s, b, h, q, kv: s + t["bias"][h, q - kv + L_DOC], causal),
+        "document mask": (None, lambda b, h, q, kv: (t["doc"][q] == t["doc"][kv]) & (q >= kv)),
+        "sliding window": (None, lambda b, h, q, kv: (q >= kv) & (q - kv <= 37)),
+        "where + sigmoid": (lambda s, b, h, q, kv: torch.where(kv % 3 == 0, s * torch.sigmoid(s), s - 1.0), None),
+        "rows see nothing": (lambda s, b, h, q, kv: s * 0.5, lambda b, h, q, kv: kv < q - 20),
+    }[case]
+
+
+CASES = ["causal mask", "alibi score", "softcap score", "relative bias + causal", "document mask",
+         "sliding window", "where + sigmoid", "rows see nothing"]
+SHAPES = [(17, 203), (203, 17), (113, 113)]
+
+
+def flex_run(score_mod, mask_mod, lq, lk, gqa):
+    def run(q, k, v):
+        bm = flex.create_block_mask(mask_mod, None, None, lq, lk) if mask_mod else None
+        return flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa, return_lse=True)
+    return run
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("lq,lk", SHAPES, ids=str)
+def test_flex_matches_reference(case, lq, lk):
+    b, h, hk, d = 2, 4, 2, 64
+    q, k, v, dout = make(b, h, hk, lq, lk, d, torch.float32, seed=lq + 3 * lk)
+    score_mod, mask_mod = _mods(case, _tables(h))
+    check_against_reference(q, k, v, dout, flex_run(score_mod, mask_mod, lq, lk, True),
+                            score_mod=score_mod, mask_mod=mask_mod)
+
+
+@pytest.mark.parametrize("case", ["relative bias + causal", "softcap score"])
+def test_flex_bf16(case):
+    q, k, v, dout = make(1, 4, 4, 130, 150, 64, DTYPES["bf16"], seed=8)
+    score_mod, mask_mod = _mods(case, _tables(4))
+    check_against_reference(q, k, v, dout, flex_run(score_mod, mask_mod, 130, 150, False),
+                            score_mod=score_mod, mask_mod=mask_mod)
+
+
+def test_same_as_torch_flex_attention():
+    """User code ports by changing the import: same outputs as torch's flex_attention."""
+    from torch.nn.attention import flex_attention as torch_flex
+
+    t = _tables(4)
+    q, k, v, _ = make(1, 4, 4, 96, 96, 64, torch.float32, seed=3)
+    score_mod = lambda s, b, h, q, kv: s - t["slopes"][h] * torch.abs(q - kv)  # noqa: E731
+    mask_mod = lambda b, h, q, kv: (t["doc"][q] == t["doc"][kv]) & (q >= kv)  # noqa: E731
+    ours = flex.flex_attention(q, k, v, score_mod=score_mod,
+                               block_mask=flex.create_block_mask(mask_mod, 1, 4, 96, 96, BLOCK_SIZE=32))
+    theirs = torch_flex.flex_attention(q, k, v, score_mod=score_mod,
+                                       block_mask=torch_flex.create_block_mask(mask_mod, 1, 4, 96, 96, device="cpu",
+                                                                               BLOCK_SIZE=32))
+    torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=0)
+
+
+def test_block_mask_matches_torch():
+    from torch.nn.attention import flex_attention as torch_flex
+
+    doc = _tables(1)["doc"]
+    mask_mod = lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv)  # noqa: E731
+    ours = flex.create_block_mask(mask_mod, 1, 1, 300, 300, BLOCK_SIZE=64)
+    theirs = torch_flex.create_block_mask(mask_mod, 1, 1, 300, 300, device="cpu", BLOCK_SIZE=64)
+    for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    n = ours.kv_num_blocks[0, 0]
+    for row, count in enumerate(n.tolist()):
+        assert sorted(ours.kv_indices[0, 0, row, :count].tolist()) == sorted(theirs.kv_indices[0, 0, row, :count].tolist())
+    assert 0 < ours.sparsity() < 100
+
+
+def test_captured_values_are_arguments():
+    """New values of a captured tensor reuse the compiled module and change the result."""
+    q, k, v, _ = make(1, 2, 2, 40, 40, 32, torch.float32, seed=1)
+    bias = torch.zeros(2)
+    score_mod = lambda s, b, h, q, kv: s + bias[h] * (kv - q)  # noqa: E731
+    a = flex.flex_attention(q, k, v, score_mod=score_mod)
+    bias += 0.3
+    b = flex.flex_attention(q, k, v, score_mod=score_mod)
+    assert not torch.allclose(a, b)
+    ref = flex_run(score_mod, None, 40, 40, False)(q, k, v)[0]
+    torch.testing.assert_close(b, ref)
+
+
+@pytest.mark.parametrize("fn,exc,message", [
+    (lambda s, b, h, q, kv: s if s > 0 else s * 2, TypeError, "Python control flow"),
+    (lambda s, b, h, q, kv: s + torch.ones(3), TypeError, "index captured tensors"),
+    (lambda s, b, h, q, kv: q > kv, TypeError, "must return a float score"),
+    (lambda s, b, h, q, kv: s + torch.ones(2, 2)[h], TypeError, "must be indexed by 2"),
+    (lambda s, b, h, q, kv: torch.erf(s), TypeError, "cannot trace"),
+])
+def test_untraceable_score_mods_raise(fn, exc, message):
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(exc, match=message):
+        flex.flex_attention(q, q, q, score_mod=fn)
+
+
+def test_block_mask_shape_is_checked():
+    q = torch.randn(1, 2, 8, 16)
+    bm = flex.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 2, 16, 16)
+    with pytest.raises(ValueError, match="block_mask was made for"):
+        flex.flex_attention(q, q, q, block_mask=bm)
