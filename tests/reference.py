@@ -39,7 +39,7 @@ def attention(q, k, v, causal="none", mask=None, scale=None, dtype=None, window=
     idx = [torch.arange(n, device=s.device).view([-1 if d == i else 1 for d in range(4)])
            for i, n in enumerate(s.shape)]  # b, h, q_idx, kv_idx
     if score_mod is not None:
-        s = score_mod(s, *idx)
+        s = score_mod(s, *idx).to(dtype)  # captured fp32 tables would promote a bf16 s
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     if alibi_slopes is not None:

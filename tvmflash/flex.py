@@ -137,7 +137,8 @@ class Traced:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        trace = next(a.trace for a in (*args, *kwargs.values()) if isinstance(a, Traced))
+        flat = [x for a in (*args, *kwargs.values()) for x in (a if isinstance(a, (tuple, list)) else (a,))]
+        trace = next(a.trace for a in flat if isinstance(a, Traced))
         if name == "__getitem__" and isinstance(args[0], torch.Tensor):
             return trace.capture(args[0], _unwrap_index(args[1]))
         if name == "where":
@@ -261,9 +262,8 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=12
         keep = _dense_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, slice(qb * bq, (qb + 1) * bq)).to(torch.bool)
         tiles = torch.nn.functional.pad(keep, (0, pad)).view(B, H, keep.shape[2], nk, bk)
         any_kept[:, :, qb] = tiles.any(-1).any(2)
-        # pairs past the sequence ends do not count against a tile being full
-        inside = torch.nn.functional.pad(torch.ones(KV_LEN, dtype=torch.bool, device=device), (0, pad)).view(nk, bk)
-        all_kept[:, :, qb] = (tiles | ~inside).all(-1).all(2)
+        # as torch: pairs past the sequence ends count as masked, so edge tiles are never full
+        all_kept[:, :, qb] = tiles.all(-1).all(2) & (keep.shape[2] == bq)
     full = all_kept & any_kept
     partial = any_kept & ~full
     kv_num, kv_idx = _index_lists(partial)

@@ -48,7 +48,7 @@ def spec_for(q: torch.Tensor, mask: Optional[torch.Tensor], causal: str, window:
         mask_dtype = None if mask_dtype == _TORCH_TO_TVM[q.dtype] else mask_dtype
     return AttentionSpec(dtype=_TORCH_TO_TVM[q.dtype], head_dim=q.shape[-1], causal=causal,
                          mask=kind, mask_dtype=mask_dtype, variants=variants,
-                         **({"flex": _FLEX_PROGRAMS[flex]} if flex else {}))
+                         flex=_FLEX_PROGRAMS[flex] if flex else ())
 
 
 _loaded: dict = {}  # (spec, device, CPU target choice) -> kernels: the per-call fast path
@@ -106,7 +106,7 @@ def _mod_args(spec: AttentionSpec, shape, mask, window, softcap, alibi_slopes, d
         values["alibi_slopes"] = alibi_slopes.expand(B, H)
     values["dropout_p"], values["dropout_rng"] = float(dropout_p), dropout_rng
     captures = iter(flex_captures or ())
-    for role, program in getattr(spec, "flex", ()):
+    for role, program in spec.flex:
         for k in range(len(program.captures)):
             t = next(captures)
             values[f"{role}_capture{k}"] = t.view(torch.uint8) if t.dtype == torch.bool else t

@@ -18,7 +18,10 @@ from dataclasses import dataclass
 
 from tvm import tirx
 
-from .common import F32, NEG_INF, KernelArgs, Shape, fast_exp
+import math
+
+from .common import F32, LOG2E, NEG_INF, KernelArgs, Shape, fast_exp
+from .program import derivative, kind_of
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,134 @@ class _BoundSoftcap(Softcap):
     def _inverse(self):
         """1 / cap: loop-invariant, where a division per score would not be hoisted."""
         return tirx.const(1.0, F32) / self.cap
+
+
+@dataclass(frozen=True)
+class ScoreProgram(ScoreMod):
+    """A traced flex score_mod (role "score": the new score) or mask_mod (role "mask": keep
+    or -inf), kernels/program.py nodes lowered to TIR; captured tensors are kernel arguments
+    `<role>_capture<k>` (any strides; indices clamped into them)."""
+
+    role: str
+    program: object  # tvmflash.flex.Program: node + captures' (dtype, ndim)
+
+    @property
+    def is_mask(self):
+        return self.role == "mask"
+
+    @property
+    def unit_grad(self):
+        return self.role == "mask" or derivative(self.program.node, self.program.captures) == ("const", 1.0)
+
+    @property
+    def arg_names(self):
+        return tuple(f"{self.role}_capture{k}" for k in range(len(self.program.captures)))
+
+    def bind(self, args, shape):
+        bufs = []
+        for name, (dtype, ndim) in zip(self.arg_names, self.program.captures):
+            sizes = [tirx.Var(f"{name}_n{d}", "int64") for d in range(ndim)]
+            bufs.append(args.tensor(name, sizes, "uint8" if dtype == "bool" else dtype, unit_last_stride=False))
+        return _BoundScoreProgram(self.role, self.program, tuple(bufs))
+
+
+@dataclass(frozen=True)
+class _BoundScoreProgram(ScoreProgram):
+    captures: tuple
+
+    def apply(self, score, ix, shape):
+        value = self._lower(self.program.node, score, ix)
+        if self.role == "mask":
+            return tirx.Select(value, score, NEG_INF)
+        return value
+
+    def grad(self, score, ix, shape):
+        if self.role == "mask":
+            return tirx.const(1.0, F32)
+        return self._as(self._lower(derivative(self.program.node, self.program.captures), score, ix), "f",
+                        derivative(self.program.node, self.program.captures))
+
+    def _kind(self, node):
+        return kind_of(node, self.program.captures)
+
+    def _as(self, expr, kind, node):
+        have = self._kind(node)
+        if have == kind:
+            return expr
+        if kind == "f":
+            return tirx.Cast(F32, expr)
+        if kind == "i":
+            return tirx.Cast("int64", expr)
+        return expr != tirx.const(0, expr.dtype)
+
+    def _lower(self, node, score, ix):
+        op = node[0]
+        leaves = {"score": score, "b": ix.b, "h": ix.h, "q_idx": ix.q_idx, "kv_idx": ix.kv_idx}
+        if op in leaves:
+            return leaves[op]
+        if op == "const":
+            value = node[1]
+            return tirx.const(value, "bool" if isinstance(value, bool) else "int64" if isinstance(value, int) else F32)
+        if op == "capture":
+            buf = self.captures[node[1]]
+            index = [tirx.max(tirx.min(self._as(self._lower(i, score, ix), "i", i), n - 1), tirx.const(0, "int64"))
+                     for i, n in zip(node[2:], buf.shape)]
+            value = buf[tuple(index)] if index else buf[()]
+            kind = self._kind(node)
+            if kind == "f":
+                return tirx.Cast(F32, value)
+            return value != tirx.const(0, buf.dtype) if kind == "b" else tirx.Cast("int64", value)
+        kind = self._kind(node)
+        args = node[2:] if op == "where" else node[1:]
+        # operands in the kind the op computes in: the result's, or the widest operand's for compares
+        work = ({self._kind(a) for a in args} if op in ("lt", "le", "gt", "ge", "eq", "ne") else {kind})
+        work = "f" if "f" in work or op in ("div",) + tuple(_FLOAT_OPS) else "i" if "i" in work else "b"
+        x = [self._as(self._lower(a, score, ix), work, a) for a in args] if op != "pow" else \
+            [self._as(self._lower(node[1], score, ix), kind, node[1])]
+        if op == "where":
+            return tirx.Select(self._as(self._lower(node[1], score, ix), "b", node[1]), x[0], x[1])
+        binary = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+                  "div": lambda a, b: a / b, "floordiv": tirx.floordiv, "mod": tirx.floormod,
+                  "min": tirx.min, "max": tirx.max, "lt": lambda a, b: a < b, "le": lambda a, b: a <= b,
+                  "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b, "eq": lambda a, b: a == b,
+                  "ne": lambda a, b: a != b, "and": tirx.And, "or": tirx.Or, "xor": lambda a, b: a != b}
+        if op in binary:
+            return binary[op](x[0], x[1])
+        if op == "not":
+            return tirx.Not(x[0])
+        if op == "neg":
+            return -x[0]
+        if op == "abs":
+            return tirx.abs(x[0])
+        if op == "pow":
+            return _power(x[0], node[2][1])
+        return _FLOAT_OPS[op](x[0])
+
+
+def _power(x, n):
+    """x ** n: repeated products for small integer n (vectorises), else pow()."""
+    if isinstance(n, int) and 0 <= n <= 8:
+        out = tirx.const(1.0, x.dtype) if x.dtype == F32 else tirx.const(1, x.dtype)
+        for _ in range(n):
+            out = out * x
+        return out
+    return tirx.power(x, tirx.const(n, x.dtype))
+
+
+def _exp(x):
+    """exp: CUDA's ex2.approx through exp2; the CPUs' vectorising fast_exp."""
+    if _MATH_TARGET.get() == "cuda":
+        return tirx.exp2(x * tirx.const(LOG2E, F32))
+    return fast_exp(x)
+
+
+_FLOAT_OPS = {
+    "exp": _exp, "exp2": lambda x: _exp(x * tirx.const(math.log(2.0), F32)), "log": tirx.log,
+    "log2": lambda x: tirx.log(x) * tirx.const(LOG2E, F32), "sqrt": tirx.sqrt,
+    "rsqrt": lambda x: tirx.const(1.0, F32) / tirx.sqrt(x),
+    "sigmoid": lambda x: tirx.const(1.0, F32) / (tirx.const(1.0, F32) + _exp(-x)),
+    "tanh": lambda x: _tanh(x), "sin": tirx.sin, "cos": tirx.cos,
+}
 
 
 def unit_grad(mods) -> bool:

@@ -1,0 +1,99 @@
+"""Traced score/mask programs (tvmflash/flex.py builds them): value kinds and the symbolic
+derivative with respect to the score. TVM-free: the tracer imports it too; lowering to TIR is
+`score_mods.ScoreProgram`.
+
+A node is a tuple: ("score",), ("b",), ("h",), ("q_idx",), ("kv_idx",), ("const", value),
+("capture", k, *index nodes) or (op, *argument nodes).
+"""
+from __future__ import annotations
+
+import math
+
+LEAVES = ("score", "b", "h", "q_idx", "kv_idx")
+FLOAT_FUNCS = ("exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sigmoid", "tanh", "sin", "cos")
+COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
+LOGIC = ("and", "or", "xor", "not")
+ARITH = ("add", "sub", "mul", "div", "floordiv", "mod", "neg", "abs", "min", "max", "pow", "where")
+OPS = FLOAT_FUNCS + COMPARE + LOGIC + ARITH
+
+ZERO, ONE = ("const", 0.0), ("const", 1.0)
+
+
+def kind_of(node, captures) -> str:
+    """The value kind of a node: "f" (float32), "i" (int64) or "b" (bool); `captures` lists
+    the captured tensors' (dtype, ndim)."""
+    op = node[0]
+    if op == "score":
+        return "f"
+    if op in LEAVES:
+        return "i"
+    if op == "const":
+        return "b" if isinstance(node[1], bool) else "i" if isinstance(node[1], int) else "f"
+    if op == "capture":
+        dtype = captures[node[1]][0]
+        return "b" if dtype == "bool" else "f" if dtype.startswith(("float", "bfloat")) else "i"
+    if op in COMPARE or op in LOGIC:
+        return "b"
+    if op in FLOAT_FUNCS or op == "div":
+        return "f"
+    if op == "pow":
+        return "f" if isinstance(node[2][1], float) else kind_of(node[1], captures)
+    kinds = {kind_of(a, captures) for a in (node[2:] if op == "where" else node[1:])}
+    return "f" if "f" in kinds else "i" if "i" in kinds else "b"
+
+
+def _add(a, b):
+    if a == ZERO:
+        return b
+    return a if b == ZERO else ("add", a, b)
+
+
+def _mul(a, b):
+    if ZERO in (a, b):
+        return ZERO
+    if a == ONE:
+        return b
+    return a if b == ONE else ("mul", a, b)
+
+
+def _neg(a):
+    return ZERO if a == ZERO else ("neg", a)
+
+
+def derivative(node, captures) -> tuple:
+    """d node / d score, as a node (constant-folded where a factor is 0 or 1)."""
+    op = node[0]
+    if op == "score":
+        return ONE
+    if kind_of(node, captures) != "f" or op in LEAVES or op in ("const", "capture"):
+        return ZERO
+    d = [derivative(a, captures) if isinstance(a, tuple) and a[0] != "const" else ZERO
+         for a in node[1:]] if op != "pow" else [derivative(node[1], captures)]
+    a = node[1] if len(node) > 1 else None
+    if op == "add":
+        return _add(d[0], d[1])
+    if op == "sub":
+        return _add(d[0], _neg(d[1]))
+    if op == "mul":
+        return _add(_mul(d[0], node[2]), _mul(a, d[1]))
+    if op == "div":  # (da b - a db) / b^2
+        num = _add(_mul(d[0], node[2]), _neg(_mul(a, d[1])))
+        return ZERO if num == ZERO else ("div", num, ("mul", node[2], node[2]))
+    if op == "neg":
+        return _neg(d[0])
+    if op == "abs":
+        return ZERO if d[0] == ZERO else ("where", ("ge", a, ZERO), d[0], _neg(d[0]))
+    if op in ("min", "max"):
+        pick = ("le" if op == "min" else "ge", a, node[2])
+        return ZERO if d == [ZERO, ZERO] else ("where", pick, d[0], d[1])
+    if op == "where":
+        return ZERO if d[1:] == [ZERO, ZERO] else ("where", a, d[1], d[2])
+    if op == "pow":
+        n = node[2][1]
+        return _mul(_mul(("const", float(n)), ("pow", a, ("const", n - 1))), d[0])
+    outer = {"exp": node, "exp2": ("mul", node, ("const", math.log(2.0))),
+             "log": ("div", ONE, a), "log2": ("div", ("const", 1 / math.log(2.0)), a),
+             "sqrt": ("div", ("const", 0.5), node), "rsqrt": ("mul", ("const", -0.5), ("div", node, a)),
+             "sigmoid": ("mul", node, ("sub", ONE, node)), "tanh": ("sub", ONE, ("mul", node, node)),
+             "sin": ("cos", a), "cos": ("neg", ("sin", a))}[op]
+    return _mul(outer, d[0])
