@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tvmflash import flex
+from reference import attention
 from test_attention import DTYPES, check_against_reference, make
 
 L_DOC = 300  # document ids cover this many positions
@@ -62,6 +63,7 @@ def test_flex_bf16(case):
                             score_mod=score_mod, mask_mod=mask_mod)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_same_as_torch_flex_attention():
     """User code ports by changing the import: same outputs as torch's flex_attention."""
     from torch.nn.attention import flex_attention as torch_flex
@@ -124,3 +126,26 @@ def test_block_mask_shape_is_checked():
     bm = flex.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 2, 16, 16)
     with pytest.raises(ValueError, match="block_mask was made for"):
         flex.flex_attention(q, q, q, block_mask=bm)
+
+
+def test_empty_tiles_are_skipped():
+    """Tiles the block mask calls empty are not computed: emptying q-block 1 (queries 128..255)
+    leaves those rows with no key (out 0, lse -inf, zero dq) although mask_mod keeps pairs there;
+    the other rows match the reference. Backward too (both plans)."""
+    from test_attention import backward_plan
+
+    mask_mod = lambda b, h, q, kv: q - kv < 200  # noqa: E731
+    q, k, v, dout = make(1, 2, 2, 300, 280, 64, torch.float32, seed=12)
+    bm = flex.create_block_mask(mask_mod, 1, 2, 300, 280, BLOCK_SIZE=128)
+    bm.partial[:, :, 1] = False
+    bm.full[:, :, 1] = False
+    for plan in ("fused", "split"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out, lse = flex.flex_attention(*leaves, block_mask=bm, return_lse=True)
+        with backward_plan(plan):
+            out.backward(dout)
+        assert (lse[:, :, 128:256] == float("-inf")).all() and (out[:, :, 128:256] == 0).all()
+        assert (leaves[0].grad[:, :, 128:256] == 0).all()
+        keep_rows = torch.cat([torch.arange(128), torch.arange(256, 300)])
+        ref_out, _ = attention(q.double(), k.double(), v.double(), mask_mod=mask_mod)
+        torch.testing.assert_close(out[:, :, keep_rows].double(), ref_out[:, :, keep_rows], atol=2e-5, rtol=0)

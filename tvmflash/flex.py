@@ -227,6 +227,11 @@ class BlockMask:
     def shape(self) -> tuple:
         return (*self.partial.shape[:2], *self.seq_lengths)
 
+    def tile_map(self) -> torch.Tensor:
+        """(B, H, q-blocks, kv-blocks) uint8 on the mask's device: 0 empty (kernels skip the
+        tile), 1 partial (mask_mod applied per pair), 2 full (mask_mod skipped)."""
+        return self.partial.to(torch.uint8) + 2 * self.full.to(torch.uint8)
+
     def sparsity(self) -> float:
         """Percentage of tiles skipped (neither partial nor full)."""
         live = (self.partial | self.full).float().mean().item()
@@ -292,7 +297,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask: BlockMask | No
     captures = []
     if score_mod is not None:
         program, tensors = trace(score_mod, "score")
-        flex.append(("score", program))
+        flex.append(("score", program, None))
         captures += tensors
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
@@ -302,8 +307,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask: BlockMask | No
             raise ValueError(f"block_mask was made for (B, H, Q_LEN, KV_LEN) = {block_mask.shape}, "
                              f"the inputs are {(B, H, Lq, Lk)}")
         program, tensors = trace(block_mask.mask_mod, "mask")
-        flex.append(("mask", program))
-        captures += tensors
+        flex.append(("mask", program, block_mask.block_size))
+        captures += [*tensors, block_mask.tile_map()]
     for t in captures:
         if t.device != query.device:
             raise ValueError(f"a captured tensor is on {t.device} but query is on {query.device}")

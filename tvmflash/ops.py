@@ -106,10 +106,13 @@ def _mod_args(spec: AttentionSpec, shape, mask, window, softcap, alibi_slopes, d
         values["alibi_slopes"] = alibi_slopes.expand(B, H)
     values["dropout_p"], values["dropout_rng"] = float(dropout_p), dropout_rng
     captures = iter(flex_captures or ())
-    for role, program in spec.flex:
+    for role, program, block in spec.flex:
         for k in range(len(program.captures)):
             t = next(captures)
             values[f"{role}_capture{k}"] = t.view(torch.uint8) if t.dtype == torch.bool else t
+        if block:  # the block mask's tile map follows the captures
+            block_map = next(captures)
+            values["mask_block_map"] = block_map.expand(B, H, *block_map.shape[2:])
     return tuple(values[name] for name in spec.kernel_arg_names())
 
 

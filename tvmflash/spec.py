@@ -31,8 +31,9 @@ class AttentionSpec:
     # which built-in variants (VARIANT_ARGS) the kernels apply; their values (window sizes, the
     # cap, slopes) are kernel arguments, so one module serves every value
     variants: tuple = field(default=())
-    # flex_attention: ((role, flex.Program), ...), role "score" (score_mod) then "mask"
-    # (mask_mod); captured tensors are kernel arguments `<role>_capture<k>`
+    # flex_attention: ((role, flex.Program, block), ...), role "score" (score_mod) then "mask"
+    # (mask_mod; block: the (query, key) block size of its block map, or None); captured
+    # tensors are kernel arguments `<role>_capture<k>`, the block map `mask_block_map`
     flex: tuple = field(default=())
 
     def __post_init__(self):
@@ -49,14 +50,14 @@ class AttentionSpec:
         if tuple(self.variants) != tuple(v for v in VARIANT_ARGS if v in self.variants):
             raise ValueError(f"variants must be distinct names from {tuple(VARIANT_ARGS)} in that order, "
                              f"got {self.variants!r}")
-        roles = tuple(role for role, _ in self.flex)
+        roles = tuple(role for role, *_ in self.flex)
         if roles not in ((), ("score",), ("mask",), ("score", "mask")):
             raise ValueError(f"flex must hold a score program, a mask program or both (in that order), got {roles}")
 
     def _modifier_names(self) -> list:
-        names = [v for v in self.variants if v in VALUE_VARIANTS] + [f"flex_{r}" for r, _ in self.flex if r == "score"]
+        names = [v for v in self.variants if v in VALUE_VARIANTS] + [f"flex_{r}" for r, *_ in self.flex if r == "score"]
         names += ["causal"] * (self.causal != "none") + ["mask"] * (self.mask != "none")
-        names += [f"flex_{r}" for r, _ in self.flex if r == "mask"]
+        names += [f"flex_{r}" for r, *_ in self.flex if r == "mask"]
         return names + [v for v in self.variants if v not in VALUE_VARIANTS]
 
     def modifiers(self) -> list:
@@ -66,16 +67,16 @@ class AttentionSpec:
 
         make = {"causal": lambda: sm.Causal(self.causal), "mask": lambda: sm.Mask(self.mask, self.mask_dtype or self.dtype),
                 "softcap": sm.Softcap, "alibi": sm.Alibi, "window": sm.Window, "dropout": Dropout}
-        make.update((f"flex_{role}", (lambda r, p: lambda: sm.ScoreProgram(r, p))(role, program))
-                    for role, program in self.flex)
+        make.update((f"flex_{role}", (lambda r, p, b: lambda: sm.ScoreProgram(r, p, b))(role, program, block))
+                    for role, program, block in self.flex)
         return [make[name]() for name in self._modifier_names()]
 
     def kernel_arg_names(self) -> tuple:
         """The modifiers' kernel arguments in call order (after the scale); pure Python, so the
         runtime-only deployment can call the kernels."""
         args = {"causal": (), "mask": ("mask",), **VARIANT_ARGS}
-        args.update((f"flex_{role}", tuple(f"{role}_capture{k}" for k in range(len(program.captures))))
-                    for role, program in self.flex)
+        args.update((f"flex_{role}", tuple(f"{role}_capture{k}" for k in range(len(program.captures)))
+                     + (("mask_block_map",) if block else ())) for role, program, block in self.flex)
         return tuple(a for name in self._modifier_names() for a in args[name])
 
     @property
@@ -88,7 +89,7 @@ class AttentionSpec:
             text += "_" + "-".join(self.variants)
         if self.flex:  # programs are long: a digest names them
             digest = hashlib.sha256(repr(self.flex).encode()).hexdigest()[:12]
-            text += "_flex-" + "-".join(role for role, _ in self.flex) + f"-{digest}"
+            text += "_flex-" + "-".join(role for role, *_ in self.flex) + f"-{digest}"
         return text
 
     def to_dict(self) -> dict:

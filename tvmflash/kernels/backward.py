@@ -24,7 +24,7 @@ from tvm.script import tirx as T
 from ..spec import AttentionSpec
 from .common import F32, POS_INF, NEG_INF, KernelArgs, Shape, fast_exp
 from .dropout import check_dropout_blocks, dropout_buffers, dropout_tile
-from .score_mods import ScoreIndex, ScorePipeline
+from .score_mods import ScoreIndex, ScorePipeline, TileAt
 
 
 def declare_backward_inputs(spec: AttentionSpec, shape: Shape, args: KernelArgs, lse_name: str = "lse"):
@@ -160,6 +160,9 @@ def backward_dkdv_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 
                         with T.sblock("q_step"):
                             vg = T.axis.opaque(G, g)
                             vqb = T.axis.opaque((LQ + BQ - 1) // BQ, qb_lo + qb)
+                            live = T.meta_var(score.tile_live((qb_lo + qb) * BQ, k0, TileAt(vb, vhk * G + g, (BQ, BK))))
+                            if live is not None:  # a block mask's empty tiles are skipped
+                                T.where(live)
                             qs = T.sblock_alloc_buffer((BQ, D), F32)
                             dos = T.sblock_alloc_buffer((BQ, D), F32)
                             lse_t = T.sblock_alloc_buffer((BQ,), F32)
@@ -317,6 +320,9 @@ def backward_dq_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 64
                 for kb in T.serial(kb_lo, kb_hi):
                     with T.sblock("kv_step"):
                         vkb = T.axis.opaque((LK + BK - 1) // BK, kb)
+                        live = T.meta_var(score.tile_live(q0, kb * BK, TileAt(vb, vh, (BQ, BK))))
+                        if live is not None:
+                            T.where(live)
                         kf = T.sblock_alloc_buffer((BK, D), F32)
                         vf = T.sblock_alloc_buffer((BK, D), F32)
                         sT = T.sblock_alloc_buffer((BK, BQ), F32)

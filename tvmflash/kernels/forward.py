@@ -19,7 +19,7 @@ from tvm.script import tirx as T
 from ..spec import AttentionSpec
 from .common import F32, NEG_INF, KernelArgs, Shape, fast_exp
 from .dropout import check_dropout_blocks, dropout_buffers, dropout_tile
-from .score_mods import ScoreIndex, ScorePipeline
+from .score_mods import ScoreIndex, ScorePipeline, TileAt
 
 
 def declare_forward_args(spec: AttentionSpec, shape: Shape, splits: tirx.Var | None = None):
@@ -86,6 +86,9 @@ def forward_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 64) ->
                 for kb in T.serial(kb_lo, kb_hi):
                     with T.sblock("kv_step"):
                         vkb = T.axis.opaque((LK + BK - 1) // BK, kb)
+                        live = T.meta_var(score.tile_live(q0, kb * BK, TileAt(vb, vh, (BQ, BK))))
+                        if live is not None:  # a block mask's empty tiles are skipped
+                            T.where(live)
                         kf = T.sblock_alloc_buffer((BK, D), F32)
                         vf = T.sblock_alloc_buffer((BK, D), F32)
                         sT = T.sblock_alloc_buffer((BK, BQ), F32)

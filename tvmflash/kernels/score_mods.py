@@ -25,6 +25,16 @@ from .program import derivative, kind_of
 
 
 @dataclass(frozen=True)
+class TileAt:
+    """Where a kernel tile sits beyond its row ranges: batch, query head and the tile's static
+    extent (query rows, key rows), for masks that look tiles up per (b, h)."""
+
+    b: tirx.PrimExpr
+    h: tirx.PrimExpr
+    extent: tuple
+
+
+@dataclass(frozen=True)
 class ScoreIndex:
     """Where a score sits: batch, query head, absolute query row and key row (int64 exprs)."""
 
@@ -66,6 +76,12 @@ class ScoreMod:
 
     def tile_visible(self, q_lo, q_hi, kv_lo, kv_hi, shape: Shape):
         """For masks: an expression true when every pair of the tile is kept; None = unknown."""
+        return None
+
+    def tile_state(self, q_lo, kv_lo, at: "TileAt", shape: Shape):
+        """For masks known per tile of (b, h) (a flex block mask): (live, full) expressions, live
+        when some pair of the at.extent tile from (q_lo, kv_lo) may be kept, full when all are;
+        None = not known per tile."""
         return None
 
 
@@ -246,7 +262,7 @@ class ScoreProgram(ScoreMod):
 
     role: str
     program: object  # tvmflash.flex.Program: node + captures' (dtype, ndim)
-
+    block: tuple | None = None  # masks with a block map: its (query, key) block size
     @property
     def is_mask(self):
         return self.role == "mask"
@@ -257,19 +273,44 @@ class ScoreProgram(ScoreMod):
 
     @property
     def arg_names(self):
-        return tuple(f"{self.role}_capture{k}" for k in range(len(self.program.captures)))
+        names = tuple(f"{self.role}_capture{k}" for k in range(len(self.program.captures)))
+        return names + (("mask_block_map",) if self.block else ())
 
     def bind(self, args, shape):
         bufs = []
         for name, (dtype, ndim) in zip(self.arg_names, self.program.captures):
             sizes = [tirx.Var(f"{name}_n{d}", "int64") for d in range(ndim)]
             bufs.append(args.tensor(name, sizes, "uint8" if dtype == "bool" else dtype, unit_last_stride=False))
-        return _BoundScoreProgram(self.role, self.program, tuple(bufs))
+        block_map = None
+        if self.block:  # (B, H, q-blocks, kv-blocks): 0 empty, 1 partial, 2 full
+            nq, nk = (tirx.Var(f"mask_block_map_n{d}", "int64") for d in (2, 3))
+            block_map = args.tensor("mask_block_map", (shape.batch, shape.heads, nq, nk), "uint8",
+                                    unit_last_stride=False)
+        return _BoundScoreProgram(self.role, self.program, self.block, tuple(bufs), block_map)
 
 
 @dataclass(frozen=True)
 class _BoundScoreProgram(ScoreProgram):
-    captures: tuple
+    captures: tuple = ()
+    block_map: tirx.Buffer | None = None
+
+    def tile_state(self, q_lo, kv_lo, at, shape):
+        """OR / AND of the block map's entries over the blocks the tile can span (one when the
+        block size is a multiple of the tile's, as usual)."""
+        if self.block_map is None:
+            return None
+        live, full = None, None
+        spans = [1 if blk % ext == 0 else -(-ext // blk) + 1 for ext, blk in zip(at.extent, self.block)]
+        nq, nk = self.block_map.shape[2], self.block_map.shape[3]
+        for a in range(spans[0]):
+            for c in range(spans[1]):
+                qb = tirx.min(q_lo // self.block[0] + a, nq - 1)
+                kb = tirx.min(kv_lo // self.block[1] + c, nk - 1)
+                state = self.block_map[at.b, at.h, qb, kb]
+                is_live, is_full = state != tirx.const(0, "uint8"), state == tirx.const(2, "uint8")
+                live = is_live if live is None else tirx.Or(live, is_live)
+                full = is_full if full is None else tirx.And(full, is_full)
+        return live, full
 
     def apply(self, score, ix, shape):
         value = self._lower(self.program.node, score, ix)
@@ -405,17 +446,26 @@ class ScorePipeline:
         """Whether some modifier changes scores (not only masks them)."""
         return any(not m.is_mask for m in self.mods)
 
-    def tile_unmasked(self, q_lo, q_hi, kv_lo, kv_hi):
+    def tile_unmasked(self, q_lo, q_hi, kv_lo, kv_hi, at: TileAt | None = None):
         """An expression true when no pair of the tile [q_lo, q_hi) x [kv_lo, kv_hi) is
-        masked or out of bounds: such tiles may use `masked=False`."""
+        masked or out of bounds: such tiles may use `masked=False`. `at` lets masks known per
+        tile (block masks) answer."""
         conds = [q_hi <= self.shape.seqlen_q, kv_hi <= self.shape.seqlen_k]
         for m in self.mods:
             if m.is_mask:
                 visible = m.tile_visible(q_lo, q_hi, kv_lo, kv_hi, self.shape)
-                if visible is None:
+                state = m.tile_state(q_lo, kv_lo, at, self.shape) if visible is None and at is not None else None
+                if visible is None and state is None:
                     return tirx.const(False, "bool")
-                conds.append(visible)
+                conds.append(visible if visible is not None else state[1])
         return tirx.all(*conds)
+
+    def tile_live(self, q_lo, kv_lo, at: TileAt):
+        """An expression false when a block mask says no pair of the at.extent tile from
+        (q_lo, kv_lo) is kept (kernels skip the tile); None when nothing is known per tile."""
+        states = [m.tile_state(q_lo, kv_lo, at, self.shape) for m in self.mods if m.is_mask]
+        lives = [st[0] for st in states if st is not None]
+        return tirx.all(*lives) if lives else None
 
     def grad(self, score, ix: ScoreIndex):
         """d(pipeline)/d(score) by the chain rule through each modifier."""
