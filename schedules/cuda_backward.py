@@ -15,6 +15,8 @@ GPU is here. Four kernels:
   the order of additions varies between runs). With a 3-stage Q/dO ring that leaves one CTA
   barrier per q-block.
 - `backward_dq_convert`: dQ = scale * accumulator, cast.
+- Tiles a flex block mask calls empty are skipped in both (a skipped q-block leaves no dS^T,
+  so its dQ update is skipped too).
 - `backward_dkdv` + `backward_dq` (deterministic=True): the same dK/dV kernel without dQ, and
   a dQ kernel with one CTA per q-block that walks its kv-blocks like the forward (recomputing
   S and dP): no atomics, bitwise reproducible, two more GEMMs.
@@ -36,7 +38,7 @@ from tvm.script import tirx as T
 from tvmflash.kernels.backward import declare_backward_inputs
 from tvmflash.kernels.common import F32, LOG2E, NEG_INF, KernelArgs, Shape
 from tvmflash.kernels.dropout import check_dropout_blocks
-from tvmflash.kernels.score_mods import ScoreIndex, ScorePipeline
+from tvmflash.kernels.score_mods import ScoreIndex, ScorePipeline, TileAt
 from tvmflash.spec import AttentionSpec
 
 from .cuda_mma import (PAD, QStepWalk, advance, batch_and_head, copy_row_stats, copy_rows, dropout_cols_t,
@@ -202,7 +204,8 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics:
         pool = T.alloc_buffer((ROWS, D + PAD), dt, scope=POOL, align=128)
         stats = T.alloc_buffer((STAGES, 2, BM), F32, scope="shared", align=16)  # [buf][lse2|delta][q]
         ds_t = T.alloc_buffer((2 * BN, DS_W), dt, scope="shared", align=128)  # dS^T, two buffers
-        prev = T.alloc_local([2], "int64")  # head and q0 of the step whose dQ is pending
+        # head and q0 of the step whose dQ is pending, and whether it ran (block masks skip steps)
+        prev = T.alloc_local([3], "int64")
         af = T.alloc_local([8], "uint32")
         bf = T.alloc_local([8], "uint32")
         s = T.alloc_local([NQ8 * 4], F32)
@@ -265,8 +268,39 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics:
                                             T.ptx["red.global.add.f32"](DQ_ACC.ptr_to([b, h, row, col + e]),
                                                                         acc[nt * 4 + hh * 2 + e])
 
+        @T.inline
+        def q_step(j, buf, h, q0):
+            # one q-block against this CTA's keys: P^T, dV, dP^T, dS^T, dK; dS^T to shared memory
+                q_tile = T.meta_var(Q_ROW + buf * BM)
+                do_tile = T.meta_var(DO_ROW + buf * BM)
+                transposed_scores(s, K_ROW, q_tile)
+                if score.tile_unmasked(q0, q0 + BM, k0, k0 + BN, TileAt(b, h, (BM, BN))):
+                    transposed_probabilities(s, p, stats, buf, NQ8, score, scale, b, h, q0, k0 + kr, lane, False, gs)
+                else:
+                    transposed_probabilities(s, p, stats, buf, NQ8, score, scale, b, h, q0, k0 + kr, lane, True, gs)
+                if drop is not None:  # dV takes P Z; s keeps P with Z in its sign
+                    dropout_cols_t(s, p, drop, NQ8, b, h, q0, k0 + kr, lane)
+                warp_gemm_rn(MMA, dv, pw, bf, pool, do_tile, d0, DH // 16, BM // 16, lane)  # dV += P^T dO
+                transposed_scores(dp, V_ROW, do_tile)              # dP^T = V dO^T
+                for nt in T.unroll(NQ8):                           # dS^T = P^T (dP^T [Z] - delta) [x gs]
+                    for i in T.unroll(4):
+                        idx = T.meta_var(nt * 4 + i)
+                        s[idx] = dropped_ds(drop, s[idx], dp[idx], stats[buf, 1, nt * 8 + lane % 4 * 2 + i % 2])
+                        if gs is not None:
+                            s[idx] = s[idx] * gs[idx]
+                        p[idx] = T.Cast(dt, s[idx])
+                warp_gemm_rn(MMA, dk, pw, bf, pool, q_tile, d0, DH // 16, BM // 16, lane)   # dK += dS^T Q (x scale at the end)
+                if with_dq:
+                    # dS^T to shared memory; its dQ product runs next iteration, after the barrier
+                    for nt in T.unroll(NQ8):
+                        for hh in T.unroll(2):
+                            ds_w[j % 2 * BN + kr + lane // 4 + hh * 8, (nt * 8 + lane % 4 * 2) // 2] = pw[nt * 2 + hh]
+                    prev[0] = h
+                    prev[1] = q0
+
         cur[0] = T.int64(0)
         cur[1] = T.int64(0)
+        prev[2] = T.int64(1)
         if NJ > 0:
             copy_rows(pool, K_ROW, K, b, hk, k0, BN, LK, D, tid, NT)
             copy_rows(pool, V_ROW, V, b, hk, k0, BN, LK, D, tid, NT)
@@ -288,33 +322,16 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics:
             T.cuda.cta_sync()
             if with_dq:
                 if j > 0:
-                    dq_update((j - 1) % 2, prev[0], prev[1])
-            q_tile = T.meta_var(Q_ROW + buf * BM)
-            do_tile = T.meta_var(DO_ROW + buf * BM)
-            transposed_scores(s, K_ROW, q_tile)
-            if score.tile_unmasked(q0, q0 + BM, k0, k0 + BN):
-                transposed_probabilities(s, p, stats, buf, NQ8, score, scale, b, h, q0, k0 + kr, lane, False, gs)
+                    if prev[2] == 1:
+                        dq_update((j - 1) % 2, prev[0], prev[1])
+            live = T.meta_var(score.tile_live(q0, k0, TileAt(b, h, (BM, BN))))
+            if live is None:
+                q_step(j, buf, h, q0)
             else:
-                transposed_probabilities(s, p, stats, buf, NQ8, score, scale, b, h, q0, k0 + kr, lane, True, gs)
-            if drop is not None:  # dV takes P Z; s keeps P with Z in its sign
-                dropout_cols_t(s, p, drop, NQ8, b, h, q0, k0 + kr, lane)
-            warp_gemm_rn(MMA, dv, pw, bf, pool, do_tile, d0, DH // 16, BM // 16, lane)  # dV += P^T dO
-            transposed_scores(dp, V_ROW, do_tile)              # dP^T = V dO^T
-            for nt in T.unroll(NQ8):                           # dS^T = P^T (dP^T [Z] - delta) [x gs]
-                for i in T.unroll(4):
-                    idx = T.meta_var(nt * 4 + i)
-                    s[idx] = dropped_ds(drop, s[idx], dp[idx], stats[buf, 1, nt * 8 + lane % 4 * 2 + i % 2])
-                    if gs is not None:
-                        s[idx] = s[idx] * gs[idx]
-                    p[idx] = T.Cast(dt, s[idx])
-            warp_gemm_rn(MMA, dk, pw, bf, pool, q_tile, d0, DH // 16, BM // 16, lane)   # dK += dS^T Q (x scale at the end)
-            if with_dq:
-                # dS^T to shared memory; its dQ product runs next iteration, after the barrier
-                for nt in T.unroll(NQ8):
-                    for hh in T.unroll(2):
-                        ds_w[j % 2 * BN + kr + lane // 4 + hh * 8, (nt * 8 + lane % 4 * 2) // 2] = pw[nt * 2 + hh]
-                prev[0] = h
-                prev[1] = q0
+                if live:  # a block mask's empty tiles are skipped
+                    q_step(j, buf, h, q0)
+                if with_dq:
+                    prev[2] = T.Select(live, T.int64(1), T.int64(0))
             if STAGES == 2:  # the next iteration refills this buffer (with 3, the one before)
                 T.cuda.cta_sync()
             cur[0] = nxt[0]
@@ -322,7 +339,8 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics:
         if with_dq:
             if NJ > 0:
                 T.cuda.cta_sync()
-                dq_update((NJ - 1) % 2, prev[0], prev[1])
+                if prev[2] == 1:
+                    dq_update((NJ - 1) % 2, prev[0], prev[1])
         for dd in T.unroll(ND):
             for hh in T.unroll(2):
                 key = T.meta_var(k0 + kr + lane // 4 + hh * 8)
@@ -421,6 +439,27 @@ def dq_kernel(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         for i in T.unroll(ND * 4):
             dq[i] = T.float32(0)
 
+        @T.inline
+        def kv_step(j, buf, k0):
+            # one K/V tile: P, dP, dS, dQ += dS K
+                k_tile = T.meta_var(K_ROW + buf * BN)
+                row_scores(s, Q_ROW, k_tile)
+                if score.tile_unmasked(q0, q0 + BM, k0, k0 + BN, TileAt(b, h, (BM, BN))):
+                    probabilities(k0, False)
+                else:
+                    probabilities(k0, True)
+                if drop is not None:  # s keeps P with Z in its sign
+                    dropout_rows(s, drop, 1, NS, b, h, q0 + qr, k0, lane, True)
+                row_scores(dp, DO_ROW, V_ROW + buf * BN)          # dP = dO V^T
+                for nt in T.unroll(NS):                           # dS = P (dP [Z] - delta) [x gs]
+                    for i in T.unroll(4):
+                        idx = T.meta_var(nt * 4 + i)
+                        if gs is not None:
+                            p[idx] = T.Cast(dt, dropped_ds(drop, s[idx], dp[idx], delta[i // 2]) * gs[idx])
+                        else:
+                            p[idx] = T.Cast(dt, dropped_ds(drop, s[idx], dp[idx], delta[i // 2]))
+                warp_gemm_rn(MMA, dq, pw, bf, pool, k_tile, 0, D // 16, BN // 16, lane)   # dQ += dS K
+
         for j in T.serial(kb_hi - kb_lo):
             buf = T.meta_var(j % 2)
             k0 = T.meta_var((kb_lo + j) * BN)
@@ -430,23 +469,12 @@ def dq_kernel(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             T.ptx["cp.async.commit_group"]()
             T.ptx["cp.async.wait_group"](1)
             T.cuda.cta_sync()
-            k_tile = T.meta_var(K_ROW + buf * BN)
-            row_scores(s, Q_ROW, k_tile)
-            if score.tile_unmasked(q0, q0 + BM, k0, k0 + BN):
-                probabilities(k0, False)
+            live = T.meta_var(score.tile_live(q0, k0, TileAt(b, h, (BM, BN))))
+            if live is None:
+                kv_step(j, buf, k0)
             else:
-                probabilities(k0, True)
-            if drop is not None:  # s keeps P with Z in its sign
-                dropout_rows(s, drop, 1, NS, b, h, q0 + qr, k0, lane, True)
-            row_scores(dp, DO_ROW, V_ROW + buf * BN)          # dP = dO V^T
-            for nt in T.unroll(NS):                           # dS = P (dP [Z] - delta) [x gs]
-                for i in T.unroll(4):
-                    idx = T.meta_var(nt * 4 + i)
-                    if gs is not None:
-                        p[idx] = T.Cast(dt, dropped_ds(drop, s[idx], dp[idx], delta[i // 2]) * gs[idx])
-                    else:
-                        p[idx] = T.Cast(dt, dropped_ds(drop, s[idx], dp[idx], delta[i // 2]))
-            warp_gemm_rn(MMA, dq, pw, bf, pool, k_tile, 0, D // 16, BN // 16, lane)   # dQ += dS K
+                if live:  # a block mask's empty tiles are skipped
+                    kv_step(j, buf, k0)
             T.cuda.cta_sync()
         for hh in T.unroll(2):
             row = T.meta_var(q0 + qr + lane // 4 + hh * 8)

@@ -43,10 +43,10 @@ DEFAULTS = {"bwd_wgmma": 1, "bwd_wgmma_warpgroups": 2, "bwd_wgmma_block_m": 64}
 
 def supports(spec: AttentionSpec, arch: str) -> bool:
     """sm_90a, head dims 64 and 128, modifiers of unit gradient (softcap takes the mma kernels:
-    its per-score gradient factor does not fit this kernel's registers), no dropout (the mma
-    kernels apply it)."""
+    its per-score gradient factor does not fit this kernel's registers), no dropout and no
+    block-sparse flex mask (the mma kernels apply them)."""
     return (arch == "sm_90a" and spec.head_dim in (64, 128) and unit_grad(spec.modifiers())
-            and "dropout" not in spec.variants)
+            and "dropout" not in spec.variants and not spec.block_sparse)
 
 
 def default_knobs(spec: AttentionSpec) -> dict:

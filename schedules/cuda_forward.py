@@ -11,7 +11,8 @@ rows (with two m-tiles a warp reuses every K/V fragment it loads for two mma's).
 K/V tiles of BN rows go through a ring of 2 or 3 shared-memory buffers filled by `cp.async`
 (rows padded by 8 elements so `ldmatrix` is conflict-free; 3 buffers drop a CTA barrier); S = Q K^T and O += P V run on
 `mma.sync.m16n8k16` with fp32 accumulators; the online softmax runs in registers in the exp2
-domain; P is reused as the A fragment of the PV product straight from registers.
+domain; P is reused as the A fragment of the PV product straight from registers. Tiles that
+a flex block mask calls empty are skipped (their K/V still stream through the ring).
 
 Knobs (`DEFAULTS`, tuned values in tuning_logs/cuda/knobs.json):
     block_m        query rows per CTA (16 per warp)
@@ -29,6 +30,7 @@ from tvm.script import tirx as T
 from tvmflash.kernels.common import F32, Shape
 from tvmflash.kernels.dropout import check_dropout_blocks
 from tvmflash.kernels.forward import declare_forward_args
+from tvmflash.kernels.score_mods import TileAt
 from tvmflash.spec import AttentionSpec
 
 from .cuda_mma import (PAD, batch_and_head, copy_rows, dropout_rows, load_a, load_b, load_b_trans, mma_16x16,
@@ -113,20 +115,11 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             m[i] = T.min_value(F32)
             l[i] = T.float32(0)
 
-        for j in T.serial(kb_hi - kb_lo):
+        @T.inline
+        def tile_step(j):
+            # one K/V tile: S, online softmax, O += P V
             buf = T.meta_var(j % ST)
             k0 = T.meta_var((kb_lo + j) * BN)
-            if kb_lo + j + 1 < kb_hi:  # prefetch the next K/V tile into the next buffer
-                copy_rows(pool, K_ROW + (j + 1) % ST * BN, K, b, hk, k0 + BN, BN, LK, D, tid, NT)
-                copy_rows(pool, V_ROW + (j + 1) % ST * BN, V, b, hk, k0 + BN, BN, LK, D, tid, NT)
-            T.ptx["cp.async.commit_group"]()
-            T.ptx["cp.async.wait_group"](1)
-            T.cuda.cta_sync()
-            if q_regs:
-                if j == 0:
-                    for mt in T.unroll(MT):
-                        for kk in T.unroll(D // 16):
-                            load_a(qf, q_frag(mt, kk), pool, row0 + mt * 16, kk * 16, lane)
             # S = Q K^T: every K fragment feeds the warp's MT m-tiles
             for i in T.unroll(MT * NS * 4):
                 s[i] = T.float32(0)
@@ -139,7 +132,7 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                     for mt in T.unroll(MT):
                         mma_16x16(MMA, s, (mt * NS + nn * 2) * 4, qf, q_frag(mt, kk), kb, 0)
             # online softmax; masks and bounds only on tiles that need them
-            if score.tile_unmasked(q0, T.min(q0 + BM, LQ), k0, k0 + BN):
+            if score.tile_unmasked(q0, T.min(q0 + BM, LQ), k0, k0 + BN, TileAt(b, h, (BM, BN))):
                 softmax_tile(s, m, l, mx, alpha, MT, NS, score, scale, b, h, q0 + row0, k0, lane, False)
             else:
                 softmax_tile(s, m, l, mx, alpha, MT, NS, score, scale, b, h, q0 + row0, k0, lane, True)
@@ -154,6 +147,27 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                     load_b_trans(vb, 0, pool, V_ROW + buf * BN + kk * 16, dd * 16, lane)
                     for mt in T.unroll(MT):
                         mma_16x16(MMA, o, (mt * ND + dd * 2) * 4, pw, mt * NS * 2 + kk * 4, vb, 0)
+
+        for j in T.serial(kb_hi - kb_lo):
+            buf = T.meta_var(j % ST)
+            k0 = T.meta_var((kb_lo + j) * BN)
+            if kb_lo + j + 1 < kb_hi:  # prefetch the next K/V tile into the next buffer
+                copy_rows(pool, K_ROW + (j + 1) % ST * BN, K, b, hk, k0 + BN, BN, LK, D, tid, NT)
+                copy_rows(pool, V_ROW + (j + 1) % ST * BN, V, b, hk, k0 + BN, BN, LK, D, tid, NT)
+            T.ptx["cp.async.commit_group"]()
+            T.ptx["cp.async.wait_group"](1)
+            T.cuda.cta_sync()
+            if q_regs:
+                if j == 0:
+                    for mt in T.unroll(MT):
+                        for kk in T.unroll(D // 16):
+                            load_a(qf, q_frag(mt, kk), pool, row0 + mt * 16, kk * 16, lane)
+            live = T.meta_var(score.tile_live(q0, (kb_lo + j) * BN, TileAt(b, h, (BM, BN))))
+            if live is None:
+                tile_step(j)
+            else:
+                if live:  # a block mask's empty tiles are skipped
+                    tile_step(j)
             if ST == 2:  # the next iteration refills this buffer (with 3, the one before)
                 T.cuda.cta_sync()
         store_output(O, LSE, o, m, l, MT, ND, b, h, q0 + row0, LQ, lane)

@@ -35,7 +35,9 @@ DEFAULTS = {"forward_wgmma": 1, "wgmma_block_n": 128, "wgmma_warpgroups": 2}
 
 
 def supports(spec: AttentionSpec, arch: str) -> bool:
-    return arch == "sm_90a" and spec.head_dim % 64 == 0
+    """sm_90a, head dims of multiples of 64; not block-sparse flex masks (the mma forward skips
+    their empty tiles)."""
+    return arch == "sm_90a" and spec.head_dim % 64 == 0 and not spec.block_sparse
 
 
 def default_knobs(spec: AttentionSpec) -> dict:

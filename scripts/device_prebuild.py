@@ -22,13 +22,17 @@ specs.add(AttentionSpec("float16", 80, causal="bottom_right"))
 for mask, c in itertools.product(["bool", "additive"], ["none", "top_left"]):
     specs.add(AttentionSpec("float16", 64, causal=c, mask=mask))
 sys.path.insert(0, str(ROOT / "tests"))
-from test_cuda import cuda_variant_specs  # noqa: E402
+from test_cuda import cuda_flex_specs, cuda_variant_specs  # noqa: E402
 
 specs.update(cuda_variant_specs())
+specs.update(cuda_flex_specs())
 sys.path.insert(0, str(ROOT / "scripts"))
 from variants_bench import specs as bench_variant_specs  # noqa: E402
 
 specs.update(bench_variant_specs())
+from flex_bench import specs as flex_bench_specs  # noqa: E402
+
+specs.update(flex_bench_specs())
 start = time.time()
 for spec in sorted(specs, key=lambda s: s.name):
     build.build_cached(spec, build.cuda_target("sm_90a"))

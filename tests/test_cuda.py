@@ -295,3 +295,75 @@ def test_cuda_variants(dtype, d, causal, window, alibi, softcap, dropout_p, lq, 
         run = lambda q, k, v: ours(q, k, v, deterministic)  # noqa: E731
         for name, a, r, lo in zip(("dq", "dk", "dv"), _grads(run, (q, k, v), dout), ref64, low):
             _check_close(f"{name} (deterministic={deterministic})", a, r, lo)
+
+
+def _flex_cases():
+    """(name, dtype, head dim, score_mod, mask_mod, block size) on the CUDA kernels, with
+    captured tables on the GPU."""
+    g = torch.Generator().manual_seed(5)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    slopes = (torch.rand(4, generator=g) * 0.2).to(dev)
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate((300, 500, 1, 223))]).to(dev)
+    return [
+        ("alibi score + causal", torch.bfloat16, 128, lambda s, b, h, q, kv: s - slopes[h] * torch.abs(q - kv),
+         lambda b, h, q, kv: q >= kv, 128),
+        ("softcap score", torch.float16, 64, lambda s, b, h, q, kv: 20 * torch.tanh(s / 20), None, None),
+        ("document mask", torch.bfloat16, 64, None, lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv), 128),
+        ("sliding window", torch.float16, 128, None, lambda b, h, q, kv: (q >= kv) & (q - kv <= 200), 128),
+    ]
+
+
+def cuda_flex_specs() -> list:
+    """The specs of _flex_cases (scripts/device_prebuild.py builds them for the device)."""
+    from tvmflash import flex
+    from tvmflash.ops import register_flex, spec_for
+
+    out = []
+    for _, dtype, d, score_mod, mask_mod, block in _flex_cases():
+        programs = (("score", flex.trace(score_mod, "score")[0], None),) if score_mod else ()
+        programs += (("mask", flex.trace(mask_mod, "mask")[0], (block, block)),) if mask_mod else ()
+        out.append(spec_for(torch.empty(1, 1, 1, d, dtype=dtype), None, "none", flex=register_flex(programs)))
+    return out
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", range(4), ids=lambda i: _flex_cases()[i][0])
+@pytest.mark.parametrize("lq,lk", [(113, 203), (1024, 1024)], ids=str)
+def test_cuda_flex(case, lq, lk):
+    from tvmflash import flex
+
+    _, dtype, d, score_mod, mask_mod, block = _flex_cases()[case]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(2, 4, lq, d, device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(2, 2, lk, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    dout = torch.randn_like(q)
+    bm = flex.create_block_mask(mask_mod, None, None, lq, lk, device="cuda", BLOCK_SIZE=block) if mask_mod else None
+
+    def ours(q, k, v):
+        return flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True)
+
+    def ref(q, k, v):
+        return attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)[0]
+    _check_close("out", ours(q, k, v), ref(*[x.double() for x in (q, k, v)]), ref(q, k, v))
+    grads = zip(("dq", "dk", "dv"), _grads(ours, (q, k, v), dout),
+                _grads(ref, [x.double() for x in (q, k, v)], dout.double()), _grads(ref, (q, k, v), dout))
+    for name, a, r, lo in grads:
+        _check_close(name, a, r, lo)
+
+
+@needs_gpu
+def test_cuda_flex_skips_empty_tiles():
+    """Emptying a q-block of the block mask leaves its rows without keys (out 0, lse -inf, dq 0)
+    on the CUDA kernels too: the tiles are skipped, not masked."""
+    from tvmflash import flex
+
+    _, dtype, d, _, mask_mod, block = _flex_cases()[3]  # a built spec: the sliding window
+    q, k, v = (torch.randn(1, 2, 384, d, device="cuda", dtype=dtype) for _ in range(3))
+    bm = flex.create_block_mask(mask_mod, 1, 2, 384, 384, device="cuda", BLOCK_SIZE=block)
+    bm.partial[:, :, 1] = False
+    bm.full[:, :, 1] = False
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = flex.flex_attention(*leaves, block_mask=bm, return_lse=True)
+    out.backward(torch.randn_like(out))
+    assert (lse[:, :, 128:256] == float("-inf")).all() and (out[:, :, 128:256] == 0).all()
+    assert lse[:, :, :128].isfinite().all() and (leaves[0].grad[:, :, 128:256] == 0).all()

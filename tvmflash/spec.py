@@ -71,6 +71,11 @@ class AttentionSpec:
                     for role, program, block in self.flex)
         return [make[name]() for name in self._modifier_names()]
 
+    @property
+    def block_sparse(self) -> bool:
+        """Whether a flex block mask's tile map is a kernel argument (kernels skip empty tiles)."""
+        return any(block for _, _, block in self.flex)
+
     def kernel_arg_names(self) -> tuple:
         """The modifiers' kernel arguments in call order (after the scale); pure Python, so the
         runtime-only deployment can call the kernels."""

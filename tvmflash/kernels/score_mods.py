@@ -6,9 +6,11 @@ same code. A modifier may also narrow the kv range a query block needs (and the 
 kv block needs), which is how kernels *skip* blocks instead of computing and masking them.
 A modifier's runtime values (a window's sizes, ALiBi slopes, the softcap) are kernel arguments
 named by `arg_names`, declared in `bind` in that order, so one compiled module serves every
-value. Variants that come later (flex score_mod) are new classes here; the kernels do not
-change. Dropout (kernels/dropout.py) is declared like a modifier but kept apart by
-`ScorePipeline`: it acts on probabilities.
+value. flex_attention's traced score_mod / mask_mod are `ScoreProgram`s (kernels/program.py
+holds the programs and their derivative); a block mask's tile map lets kernels skip empty
+tiles (`tile_live`) and skip the mask on full ones (`tile_unmasked` with a `TileAt`). Dropout
+(kernels/dropout.py) is declared like a modifier but kept apart by `ScorePipeline`: it acts on
+probabilities.
 """
 from __future__ import annotations
 

@@ -1,0 +1,108 @@
+"""tvmflash.flex.flex_attention vs torch.nn.attention.flex_attention under torch.compile, same
+process, same inputs: causal, sliding window, ALiBi as a score_mod and document masking
+(bf16, B=1, H=16, D=128, L in {4096, 16384}), forward and forward+backward. Writes
+benchmarks/results/cuda-h100-flex.json and .png (ratio > 1: tvmflash is faster).
+
+    python scripts/flex_bench.py [OUT_DIR]      # needs a GPU (and triton for torch's side)
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from tvmflash import flex
+from tvmflash.bench import _auto_iters, _interleaved_median_ms, _warm_up, machine_info
+
+B, H, D = 1, 16, 128
+SEQLENS = (4096, 16384)
+WINDOW = 1024
+
+
+def cases(seqlen: int, device: str):
+    """name -> (score_mod, mask_mod); captured tables live on `device`."""
+    g = torch.Generator().manual_seed(0)
+    slopes = torch.exp2(-8.0 * torch.arange(1, H + 1) / H).to(device)
+    lengths = torch.randint(seqlen // 16, seqlen // 4, (64,), generator=g)
+    doc = torch.repeat_interleave(torch.arange(64), lengths)[:seqlen]
+    doc = torch.cat([doc, torch.full((seqlen - len(doc),), 64)]).to(device)
+    causal = lambda b, h, q, kv: q >= kv  # noqa: E731
+    return {
+        "causal": (None, causal),
+        f"sliding window {WINDOW}": (None, lambda b, h, q, kv: (q >= kv) & (q - kv < WINDOW)),
+        "ALiBi score_mod (causal)": (lambda s, b, h, q, kv: s - slopes[h] * (q - kv), causal),
+        "document mask (causal)": (None, lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv)),
+    }
+
+
+def specs() -> set:
+    """The specs this benchmark calls (scripts/device_prebuild.py builds them)."""
+    from tvmflash.ops import register_flex, spec_for
+
+    out = set()
+    for score_mod, mask_mod in cases(SEQLENS[0], "cpu").values():
+        programs = (("score", flex.trace(score_mod, "score")[0], None),) if score_mod else ()
+        programs += (("mask", flex.trace(mask_mod, "mask")[0], (128, 128)),) if mask_mod else ()
+        out.add(spec_for(torch.empty(1, 1, 1, D, dtype=torch.bfloat16), None, "none", flex=register_flex(programs)))
+    return out
+
+
+def main(out_dir: Path) -> None:
+    from torch.nn.attention import flex_attention as torch_flex
+
+    device = "cuda"
+    compiled = torch.compile(torch_flex.flex_attention, dynamic=False)
+    rows = []
+    for seqlen in SEQLENS:
+        torch.manual_seed(0)
+        q, k, v, dout = (torch.randn(B, H, seqlen, D, device=device, dtype=torch.bfloat16) for _ in range(4))
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        for name, (score_mod, mask_mod) in cases(seqlen, device).items():
+            ours_bm = flex.create_block_mask(mask_mod, 1, 1, seqlen, seqlen, device=device)
+            torch_bm = torch_flex.create_block_mask(mask_mod, 1, 1, seqlen, seqlen, device=device)
+            impl = {"tvmflash": lambda q, k, v: flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=ours_bm),
+                    "torch": lambda q, k, v: compiled(q, k, v, score_mod=score_mod, block_mask=torch_bm)}
+            fns = {}
+            for label, attn in impl.items():
+                _, ms = _warm_up(attn, q, k, v, dout, 2, device)
+                fns[f"{label} fwd"] = (lambda a: lambda: a(q, k, v))(attn)
+                fns[f"{label} fwd+bwd"] = (lambda a: lambda: torch.autograd.grad(a(q, k, v), (q, k, v), dout))(attn)
+            t = _interleaved_median_ms(fns, rounds=5, iters=_auto_iters(ms), device=device)
+            row = {"case": name, "seqlen": seqlen, "sparsity": ours_bm.sparsity(), "ms": t,
+                   "ratio_fwd": t["torch fwd"] / t["tvmflash fwd"],
+                   "ratio_fwd_bwd": t["torch fwd+bwd"] / t["tvmflash fwd+bwd"]}
+            rows.append(row)
+            print(f"L={seqlen} {name}: fwd {t['tvmflash fwd']:.2f} vs torch {t['torch fwd']:.2f} ms "
+                  f"(x{row['ratio_fwd']:.2f}); fwd+bwd {t['tvmflash fwd+bwd']:.2f} vs {t['torch fwd+bwd']:.2f} ms "
+                  f"(x{row['ratio_fwd_bwd']:.2f})", flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": machine_info(device), "shape": {"B": B, "H": H, "D": D, "dtype": "bf16"},
+            "torch": torch.__version__, "block_size": 128,
+            "note": "ratio = torch.compile(flex_attention) time / tvmflash time (> 1: tvmflash is faster)",
+            "rows": rows}
+    (out_dir / "cuda-h100-flex.json").write_text(json.dumps(meta, indent=1))
+    plot(rows, out_dir / "cuda-h100-flex.png")
+    print(out_dir / "cuda-h100-flex.json")
+
+
+def plot(rows: list, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    xs = range(len(rows))
+    for i, (key, label) in enumerate((("ratio_fwd", "forward"), ("ratio_fwd_bwd", "forward+backward"))):
+        ax.bar([x + (i - 0.5) * 0.38 for x in xs], [r[key] for r in rows], 0.38, label=label)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(list(xs), [f"{r['case']}\nL={r['seqlen']}" for r in rows], fontsize=6)
+    ax.set_ylabel("torch flex time / tvmflash time")
+    ax.set_title(f"flex_attention vs torch.compile(flex_attention), H100, bf16 B={B} H={H} D={D}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results"))
