@@ -149,7 +149,6 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                         mma_16x16(MMA, o, (mt * ND + dd * 2) * 4, pw, mt * NS * 2 + kk * 4, vb, 0)
 
         for j in T.serial(kb_hi - kb_lo):
-            buf = T.meta_var(j % ST)
             k0 = T.meta_var((kb_lo + j) * BN)
             if kb_lo + j + 1 < kb_hi:  # prefetch the next K/V tile into the next buffer
                 copy_rows(pool, K_ROW + (j + 1) % ST * BN, K, b, hk, k0 + BN, BN, LK, D, tid, NT)
