@@ -271,32 +271,32 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics:
         @T.inline
         def q_step(j, buf, h, q0):
             # one q-block against this CTA's keys: P^T, dV, dP^T, dS^T, dK; dS^T to shared memory
-                q_tile = T.meta_var(Q_ROW + buf * BM)
-                do_tile = T.meta_var(DO_ROW + buf * BM)
-                transposed_scores(s, K_ROW, q_tile)
-                if score.tile_unmasked(q0, q0 + BM, k0, k0 + BN, TileAt(b, h, (BM, BN))):
-                    transposed_probabilities(s, p, stats, buf, NQ8, score, scale, b, h, q0, k0 + kr, lane, False, gs)
-                else:
-                    transposed_probabilities(s, p, stats, buf, NQ8, score, scale, b, h, q0, k0 + kr, lane, True, gs)
-                if drop is not None:  # dV takes P Z; s keeps P with Z in its sign
-                    dropout_cols_t(s, p, drop, NQ8, b, h, q0, k0 + kr, lane)
-                warp_gemm_rn(MMA, dv, pw, bf, pool, do_tile, d0, DH // 16, BM // 16, lane)  # dV += P^T dO
-                transposed_scores(dp, V_ROW, do_tile)              # dP^T = V dO^T
-                for nt in T.unroll(NQ8):                           # dS^T = P^T (dP^T [Z] - delta) [x gs]
-                    for i in T.unroll(4):
-                        idx = T.meta_var(nt * 4 + i)
-                        s[idx] = dropped_ds(drop, s[idx], dp[idx], stats[buf, 1, nt * 8 + lane % 4 * 2 + i % 2])
-                        if gs is not None:
-                            s[idx] = s[idx] * gs[idx]
-                        p[idx] = T.Cast(dt, s[idx])
-                warp_gemm_rn(MMA, dk, pw, bf, pool, q_tile, d0, DH // 16, BM // 16, lane)   # dK += dS^T Q (x scale at the end)
-                if with_dq:
-                    # dS^T to shared memory; its dQ product runs next iteration, after the barrier
-                    for nt in T.unroll(NQ8):
-                        for hh in T.unroll(2):
-                            ds_w[j % 2 * BN + kr + lane // 4 + hh * 8, (nt * 8 + lane % 4 * 2) // 2] = pw[nt * 2 + hh]
-                    prev[0] = h
-                    prev[1] = q0
+            q_tile = T.meta_var(Q_ROW + buf * BM)
+            do_tile = T.meta_var(DO_ROW + buf * BM)
+            transposed_scores(s, K_ROW, q_tile)
+            if score.tile_unmasked(q0, q0 + BM, k0, k0 + BN, TileAt(b, h, (BM, BN))):
+                transposed_probabilities(s, p, stats, buf, NQ8, score, scale, b, h, q0, k0 + kr, lane, False, gs)
+            else:
+                transposed_probabilities(s, p, stats, buf, NQ8, score, scale, b, h, q0, k0 + kr, lane, True, gs)
+            if drop is not None:  # dV takes P Z; s keeps P with Z in its sign
+                dropout_cols_t(s, p, drop, NQ8, b, h, q0, k0 + kr, lane)
+            warp_gemm_rn(MMA, dv, pw, bf, pool, do_tile, d0, DH // 16, BM // 16, lane)  # dV += P^T dO
+            transposed_scores(dp, V_ROW, do_tile)              # dP^T = V dO^T
+            for nt in T.unroll(NQ8):                           # dS^T = P^T (dP^T [Z] - delta) [x gs]
+                for i in T.unroll(4):
+                    idx = T.meta_var(nt * 4 + i)
+                    s[idx] = dropped_ds(drop, s[idx], dp[idx], stats[buf, 1, nt * 8 + lane % 4 * 2 + i % 2])
+                    if gs is not None:
+                        s[idx] = s[idx] * gs[idx]
+                    p[idx] = T.Cast(dt, s[idx])
+            warp_gemm_rn(MMA, dk, pw, bf, pool, q_tile, d0, DH // 16, BM // 16, lane)   # dK += dS^T Q (x scale at the end)
+            if with_dq:
+                # dS^T to shared memory; its dQ product runs next iteration, after the barrier
+                for nt in T.unroll(NQ8):
+                    for hh in T.unroll(2):
+                        ds_w[j % 2 * BN + kr + lane // 4 + hh * 8, (nt * 8 + lane % 4 * 2) // 2] = pw[nt * 2 + hh]
+                prev[0] = h
+                prev[1] = q0
 
         cur[0] = T.int64(0)
         cur[1] = T.int64(0)
@@ -304,7 +304,8 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics:
         if NJ > 0:
             copy_rows(pool, K_ROW, K, b, hk, k0, BN, LK, D, tid, NT)
             copy_rows(pool, V_ROW, V, b, hk, k0, BN, LK, D, tid, NT)
-            load_step(cur, 0)
+            if score.and_live(True, walk.q0(cur), k0, TileAt(b, walk.head(cur), (BM, BN))):
+                load_step(cur, 0)  # steps to be skipped are not fetched
         T.ptx["cp.async.commit_group"]()
         for i in T.unroll(ND * 4):
             dk[i] = T.float32(0)
@@ -315,8 +316,8 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics:
             h = T.meta_var(walk.head(cur))
             q0 = T.meta_var(walk.q0(cur))
             advance(walk, cur, nxt)
-            if j + 1 < NJ:  # prefetch the next q-block into the other buffer
-                load_step(nxt, (j + 1) % STAGES)
+            if score.and_live(j + 1 < NJ, walk.q0(nxt), k0, TileAt(b, walk.head(nxt), (BM, BN))):
+                load_step(nxt, (j + 1) % STAGES)  # prefetch the next q-block into the other buffer
             T.ptx["cp.async.commit_group"]()
             T.ptx["cp.async.wait_group"](1)
             T.cuda.cta_sync()
@@ -429,8 +430,10 @@ def dq_kernel(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
 
         copy_rows(pool, Q_ROW, Q, b, h, q0, BM, LQ, D, tid, NT)
         copy_rows(pool, DO_ROW, DO, b, h, q0, BM, LQ, D, tid, NT)
-        copy_rows(pool, K_ROW, K, b, hk, kb_lo * BN, BN, LK, D, tid, NT)
-        copy_rows(pool, V_ROW, V, b, hk, kb_lo * BN, BN, LK, D, tid, NT)
+        at = T.meta_var(TileAt(b, h, (BM, BN)))
+        if score.and_live(kb_lo < kb_hi, q0, kb_lo * BN, at):  # tiles to be skipped are not fetched
+            copy_rows(pool, K_ROW, K, b, hk, kb_lo * BN, BN, LK, D, tid, NT)
+            copy_rows(pool, V_ROW, V, b, hk, kb_lo * BN, BN, LK, D, tid, NT)
         T.ptx["cp.async.commit_group"]()
         for hh in T.unroll(2):
             row = T.meta_var(T.min(q0 + qr + lane // 4 + hh * 8, LQ - 1))
@@ -442,34 +445,34 @@ def dq_kernel(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         @T.inline
         def kv_step(j, buf, k0):
             # one K/V tile: P, dP, dS, dQ += dS K
-                k_tile = T.meta_var(K_ROW + buf * BN)
-                row_scores(s, Q_ROW, k_tile)
-                if score.tile_unmasked(q0, q0 + BM, k0, k0 + BN, TileAt(b, h, (BM, BN))):
-                    probabilities(k0, False)
-                else:
-                    probabilities(k0, True)
-                if drop is not None:  # s keeps P with Z in its sign
-                    dropout_rows(s, drop, 1, NS, b, h, q0 + qr, k0, lane, True)
-                row_scores(dp, DO_ROW, V_ROW + buf * BN)          # dP = dO V^T
-                for nt in T.unroll(NS):                           # dS = P (dP [Z] - delta) [x gs]
-                    for i in T.unroll(4):
-                        idx = T.meta_var(nt * 4 + i)
-                        if gs is not None:
-                            p[idx] = T.Cast(dt, dropped_ds(drop, s[idx], dp[idx], delta[i // 2]) * gs[idx])
-                        else:
-                            p[idx] = T.Cast(dt, dropped_ds(drop, s[idx], dp[idx], delta[i // 2]))
-                warp_gemm_rn(MMA, dq, pw, bf, pool, k_tile, 0, D // 16, BN // 16, lane)   # dQ += dS K
+            k_tile = T.meta_var(K_ROW + buf * BN)
+            row_scores(s, Q_ROW, k_tile)
+            if score.tile_unmasked(q0, q0 + BM, k0, k0 + BN, at):
+                probabilities(k0, False)
+            else:
+                probabilities(k0, True)
+            if drop is not None:  # s keeps P with Z in its sign
+                dropout_rows(s, drop, 1, NS, b, h, q0 + qr, k0, lane, True)
+            row_scores(dp, DO_ROW, V_ROW + buf * BN)          # dP = dO V^T
+            for nt in T.unroll(NS):                           # dS = P (dP [Z] - delta) [x gs]
+                for i in T.unroll(4):
+                    idx = T.meta_var(nt * 4 + i)
+                    if gs is not None:
+                        p[idx] = T.Cast(dt, dropped_ds(drop, s[idx], dp[idx], delta[i // 2]) * gs[idx])
+                    else:
+                        p[idx] = T.Cast(dt, dropped_ds(drop, s[idx], dp[idx], delta[i // 2]))
+            warp_gemm_rn(MMA, dq, pw, bf, pool, k_tile, 0, D // 16, BN // 16, lane)   # dQ += dS K
 
         for j in T.serial(kb_hi - kb_lo):
             buf = T.meta_var(j % 2)
             k0 = T.meta_var((kb_lo + j) * BN)
-            if kb_lo + j + 1 < kb_hi:
+            if score.and_live(kb_lo + j + 1 < kb_hi, q0, k0 + BN, at):
                 copy_rows(pool, K_ROW + (1 - buf) * BN, K, b, hk, k0 + BN, BN, LK, D, tid, NT)
                 copy_rows(pool, V_ROW + (1 - buf) * BN, V, b, hk, k0 + BN, BN, LK, D, tid, NT)
             T.ptx["cp.async.commit_group"]()
             T.ptx["cp.async.wait_group"](1)
             T.cuda.cta_sync()
-            live = T.meta_var(score.tile_live(q0, k0, TileAt(b, h, (BM, BN))))
+            live = T.meta_var(score.tile_live(q0, k0, at))
             if live is None:
                 kv_step(j, buf, k0)
             else:

@@ -106,8 +106,10 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         q_frag = T.meta_var(lambda mt, kk: (mt * (D // 16) + kk) * 4 if q_regs else mt * 4)
 
         copy_rows(pool, 0, Q, b, h, q0, BM, LQ, D, tid, NT)
-        copy_rows(pool, K_ROW, K, b, hk, kb_lo * BN, BN, LK, D, tid, NT)
-        copy_rows(pool, V_ROW, V, b, hk, kb_lo * BN, BN, LK, D, tid, NT)
+        at = T.meta_var(TileAt(b, h, (BM, BN)))
+        if score.and_live(kb_lo < kb_hi, q0, kb_lo * BN, at):  # tiles to be skipped are not fetched
+            copy_rows(pool, K_ROW, K, b, hk, kb_lo * BN, BN, LK, D, tid, NT)
+            copy_rows(pool, V_ROW, V, b, hk, kb_lo * BN, BN, LK, D, tid, NT)
         T.ptx["cp.async.commit_group"]()
         for i in T.unroll(MT * ND * 4):
             o[i] = T.float32(0)
@@ -132,7 +134,7 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                     for mt in T.unroll(MT):
                         mma_16x16(MMA, s, (mt * NS + nn * 2) * 4, qf, q_frag(mt, kk), kb, 0)
             # online softmax; masks and bounds only on tiles that need them
-            if score.tile_unmasked(q0, T.min(q0 + BM, LQ), k0, k0 + BN, TileAt(b, h, (BM, BN))):
+            if score.tile_unmasked(q0, T.min(q0 + BM, LQ), k0, k0 + BN, at):
                 softmax_tile(s, m, l, mx, alpha, MT, NS, score, scale, b, h, q0 + row0, k0, lane, False)
             else:
                 softmax_tile(s, m, l, mx, alpha, MT, NS, score, scale, b, h, q0 + row0, k0, lane, True)
@@ -150,7 +152,7 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
 
         for j in T.serial(kb_hi - kb_lo):
             k0 = T.meta_var((kb_lo + j) * BN)
-            if kb_lo + j + 1 < kb_hi:  # prefetch the next K/V tile into the next buffer
+            if score.and_live(kb_lo + j + 1 < kb_hi, q0, k0 + BN, at):  # prefetch the next K/V tile
                 copy_rows(pool, K_ROW + (j + 1) % ST * BN, K, b, hk, k0 + BN, BN, LK, D, tid, NT)
                 copy_rows(pool, V_ROW + (j + 1) % ST * BN, V, b, hk, k0 + BN, BN, LK, D, tid, NT)
             T.ptx["cp.async.commit_group"]()
@@ -161,7 +163,7 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                     for mt in T.unroll(MT):
                         for kk in T.unroll(D // 16):
                             load_a(qf, q_frag(mt, kk), pool, row0 + mt * 16, kk * 16, lane)
-            live = T.meta_var(score.tile_live(q0, (kb_lo + j) * BN, TileAt(b, h, (BM, BN))))
+            live = T.meta_var(score.tile_live(q0, k0, at))
             if live is None:
                 tile_step(j)
             else:

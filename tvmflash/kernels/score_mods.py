@@ -469,6 +469,13 @@ class ScorePipeline:
         lives = [st[0] for st in states if st is not None]
         return tirx.all(*lives) if lives else None
 
+    def and_live(self, cond, q_lo, kv_lo, at: TileAt):
+        """`cond` and `tile_live` (for loads: kernels do not fetch tiles they will skip)."""
+        live = self.tile_live(q_lo, kv_lo, at)
+        if live is None:
+            return cond
+        return live if cond is True else tirx.all(cond, live)
+
     def grad(self, score, ix: ScoreIndex):
         """d(pipeline)/d(score) by the chain rule through each modifier."""
         total = tirx.const(1.0, F32)
