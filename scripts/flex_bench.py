@@ -51,6 +51,11 @@ def main(out_dir: Path) -> None:
     from torch.nn.attention import flex_attention as torch_flex
 
     device = "cuda"
+    # the timing helpers keep the graph of their timed call (retain_graph), which donated
+    # buffers of a compiled backward forbid
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
     compiled = torch.compile(torch_flex.flex_attention, dynamic=False)
     rows = []
     for seqlen in SEQLENS:

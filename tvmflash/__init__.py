@@ -4,14 +4,17 @@ target, called from PyTorch.
     import tvmflash
     out = tvmflash.flash_attn_func(q, k, v, causal=True)              # flash-attn 2.x API
     out = tvmflash.scaled_dot_product_attention(q, k, v, attn_mask=m)  # torch SDPA API
+    out = tvmflash.flex_attention(q, k, v, score_mod=fn, block_mask=bm)  # torch flex_attention API
 
 Importing is cheap: TVM loads on the first call that needs a kernel.
 """
 from ._paths import import_schedules
+from .flex import BlockMask, create_block_mask, flex_attention
 from .interface import flash_attn_func, scaled_dot_product_attention
 from .spec import AttentionSpec
 
 import_schedules()  # schedules/ lives beside the package in a checkout, inside it in a wheel
 
 __version__ = "0.1.0"
-__all__ = ["AttentionSpec", "flash_attn_func", "scaled_dot_product_attention"]
+__all__ = ["AttentionSpec", "BlockMask", "create_block_mask", "flash_attn_func", "flex_attention",
+           "scaled_dot_product_attention"]
