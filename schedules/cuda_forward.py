@@ -102,14 +102,14 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         mx = T.alloc_local([1], F32)
         alpha = T.alloc_local([MT * 2], F32)
         pw = p.view("uint32")
-        kb_lo, kb_hi = T.meta_var(score.kv_blocks(q0, T.min(q0 + BM, LQ), BN))
         q_frag = T.meta_var(lambda mt, kk: (mt * (D // 16) + kk) * 4 if q_regs else mt * 4)
 
         copy_rows(pool, 0, Q, b, h, q0, BM, LQ, D, tid, NT)
         at = T.meta_var(TileAt(b, h, (BM, BN)))
-        if score.and_live(kb_lo < kb_hi, q0, kb_lo * BN, at):  # tiles to be skipped are not fetched
-            copy_rows(pool, K_ROW, K, b, hk, kb_lo * BN, BN, LK, D, tid, NT)
-            copy_rows(pool, V_ROW, V, b, hk, kb_lo * BN, BN, LK, D, tid, NT)
+        walk = T.meta_var(score.kv_walk(q0, T.min(q0 + BM, LQ), BN, at))  # the K/V tiles to visit
+        if walk.fetch(0):  # tiles to be skipped are not fetched
+            copy_rows(pool, K_ROW, K, b, hk, walk.k0(0), BN, LK, D, tid, NT)
+            copy_rows(pool, V_ROW, V, b, hk, walk.k0(0), BN, LK, D, tid, NT)
         T.ptx["cp.async.commit_group"]()
         for i in T.unroll(MT * ND * 4):
             o[i] = T.float32(0)
@@ -121,7 +121,7 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         def tile_step(j):
             # one K/V tile: S, online softmax, O += P V
             buf = T.meta_var(j % ST)
-            k0 = T.meta_var((kb_lo + j) * BN)
+            k0 = T.meta_var(walk.k0(j))
             # S = Q K^T: every K fragment feeds the warp's MT m-tiles
             for i in T.unroll(MT * NS * 4):
                 s[i] = T.float32(0)
@@ -150,11 +150,10 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                     for mt in T.unroll(MT):
                         mma_16x16(MMA, o, (mt * ND + dd * 2) * 4, pw, mt * NS * 2 + kk * 4, vb, 0)
 
-        for j in T.serial(kb_hi - kb_lo):
-            k0 = T.meta_var((kb_lo + j) * BN)
-            if score.and_live(kb_lo + j + 1 < kb_hi, q0, k0 + BN, at):  # prefetch the next K/V tile
-                copy_rows(pool, K_ROW + (j + 1) % ST * BN, K, b, hk, k0 + BN, BN, LK, D, tid, NT)
-                copy_rows(pool, V_ROW + (j + 1) % ST * BN, V, b, hk, k0 + BN, BN, LK, D, tid, NT)
+        for j in T.serial(walk.count):
+            if walk.fetch(j + 1):  # prefetch the next K/V tile into the next buffer
+                copy_rows(pool, K_ROW + (j + 1) % ST * BN, K, b, hk, walk.k0(j + 1), BN, LK, D, tid, NT)
+                copy_rows(pool, V_ROW + (j + 1) % ST * BN, V, b, hk, walk.k0(j + 1), BN, LK, D, tid, NT)
             T.ptx["cp.async.commit_group"]()
             T.ptx["cp.async.wait_group"](1)
             T.cuda.cta_sync()
@@ -163,7 +162,7 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                     for mt in T.unroll(MT):
                         for kk in T.unroll(D // 16):
                             load_a(qf, q_frag(mt, kk), pool, row0 + mt * 16, kk * 16, lane)
-            live = T.meta_var(score.tile_live(q0, k0, at))
+            live = T.meta_var(walk.live(j))
             if live is None:
                 tile_step(j)
             else:

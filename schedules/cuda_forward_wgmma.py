@@ -25,6 +25,7 @@ from tvm.script import tirx as T
 from tvmflash.kernels.common import F32, Shape
 from tvmflash.kernels.dropout import check_dropout_blocks
 from tvmflash.kernels.forward import declare_forward_args
+from tvmflash.kernels.score_mods import TileAt
 from tvmflash.spec import AttentionSpec
 
 from .cuda_mma import batch_and_head, dropout_rows, rescale_rows, softmax_tile, store_output, to_a_fragments
@@ -34,10 +35,14 @@ from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registe
 DEFAULTS = {"forward_wgmma": 1, "wgmma_block_n": 128, "wgmma_warpgroups": 2}
 
 
-def supports(spec: AttentionSpec, arch: str) -> bool:
-    """sm_90a, head dims of multiples of 64; not block-sparse flex masks (the mma forward skips
-    their empty tiles)."""
-    return arch == "sm_90a" and spec.head_dim % 64 == 0 and not spec.block_sparse
+def supports(spec: AttentionSpec, arch: str, knobs: dict | None = None) -> bool:
+    """sm_90a, head dims of multiples of 64; with a flex block mask, tiles that divide its
+    blocks (this kernel walks the mask's block lists; the mma forward takes the others)."""
+    if not (arch == "sm_90a" and spec.head_dim % 64 == 0):
+        return False
+    knobs = {**default_knobs(spec), **(knobs or {})}
+    tile = (64 * knobs["wgmma_warpgroups"], knobs["wgmma_block_n"])
+    return all(b % t == 0 for _, _, block in spec.flex if block for b, t in zip(block, tile))
 
 
 def default_knobs(spec: AttentionSpec) -> dict:
@@ -92,12 +97,14 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         mx = T.alloc_local([1], F32)
         alpha = T.alloc_local([2], F32)
         pw = p.view("uint32")
-        kb_lo, kb_hi = T.meta_var(score.kv_blocks(q0, T.min(q0 + BM, LQ), BN))
+        # the K/V tiles to visit: a block mask's listed ones (supports() requires tiles that
+        # divide its blocks), else the ones the modifiers' ranges leave
+        walk = T.meta_var(score.kv_walk(q0, T.min(q0 + BM, LQ), BN, TileAt(b, h, (BM, BN))))
 
         @T.inline
         def scores_to_p(k0):
             # online softmax of the finished S tile (masks and bounds only where needed)
-            if score.tile_unmasked(q0, T.min(q0 + BM, LQ), k0, k0 + BN):
+            if score.tile_unmasked(q0, T.min(q0 + BM, LQ), k0, k0 + BN, TileAt(b, h, (BM, BN))):
                 softmax_tile(s, m, l, mx, alpha, 1, NS, score, scale, b, h, q0 + row0, k0, lane, False)
             else:
                 softmax_tile(s, m, l, mx, alpha, 1, NS, score, scale, b, h, q0 + row0, k0, lane, True)
@@ -128,18 +135,18 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             T.ptx.fence.proxy.async_.shared__cta()
             T.cuda.cta_sync()
             if j + 2 < n:
-                copy_rows_sw128(pool, K_OFF + j % 2 * BN * D, K, b, hk, (kb_lo + j + 2) * BN, BN, LK, D, tid, NT)
+                copy_rows_sw128(pool, K_OFF + j % 2 * BN * D, K, b, hk, walk.k0(j + 2), BN, LK, D, tid, NT)
             if j + 1 < n:
-                copy_rows_sw128(pool, V_OFF + (j + 1) % 2 * BN * D, V, b, hk, (kb_lo + j + 1) * BN, BN, LK, D,
+                copy_rows_sw128(pool, V_OFF + (j + 1) % 2 * BN * D, V, b, hk, walk.k0(j + 1), BN, LK, D,
                                 tid, NT)
             T.ptx["cp.async.commit_group"]()
 
-        n = T.meta_var(kb_hi - kb_lo)
+        n = T.meta_var(walk.count)
         copy_rows_sw128(pool, 0, Q, b, h, q0, BM, LQ, D, tid, NT)
-        copy_rows_sw128(pool, K_OFF, K, b, hk, kb_lo * BN, BN, LK, D, tid, NT)
-        copy_rows_sw128(pool, V_OFF, V, b, hk, kb_lo * BN, BN, LK, D, tid, NT)
+        copy_rows_sw128(pool, K_OFF, K, b, hk, walk.k0(0), BN, LK, D, tid, NT)
+        copy_rows_sw128(pool, V_OFF, V, b, hk, walk.k0(0), BN, LK, D, tid, NT)
         if n > 1:
-            copy_rows_sw128(pool, K_OFF + BN * D, K, b, hk, kb_lo * BN + BN, BN, LK, D, tid, NT)
+            copy_rows_sw128(pool, K_OFF + BN * D, K, b, hk, walk.k0(1), BN, LK, D, tid, NT)
         T.ptx["cp.async.commit_group"]()
         encode_desc(desc_k, pool, 16, ATOM_BYTES)
         encode_desc(desc_v, pool, BN * 128, ATOM_BYTES)
@@ -155,7 +162,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             issue_s(0)
             T.ptx.wgmma.wait_group.sync.aligned(0)
             fence_registers(s, NS * 4)
-            scores_to_p(kb_lo * BN)
+            scores_to_p(walk.k0(0))
             to_a_fragments(s, p, NS * 4)
 
         # Iteration j: S_{j+1} = Q K_{j+1}^T and O += P_j V_j go to the tensor cores back to back;
@@ -169,7 +176,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             issue_pv(j)
             T.ptx.wgmma.wait_group.sync.aligned(1)
             fence_registers(s, NS * 4)
-            scores_to_p((kb_lo + j + 1) * BN)
+            scores_to_p(walk.k0(j + 1))
             T.ptx.wgmma.wait_group.sync.aligned(0)
             fence_registers(o, ND * 4)
             to_a_fragments(s, p, NS * 4)

@@ -360,8 +360,9 @@ def test_cuda_flex_skips_empty_tiles():
     _, dtype, d, _, mask_mod, block = _flex_cases()[3]  # a built spec: the sliding window
     q, k, v = (torch.randn(1, 2, 384, d, device="cuda", dtype=dtype) for _ in range(3))
     bm = flex.create_block_mask(mask_mod, 1, 2, 384, 384, device="cuda", BLOCK_SIZE=block)
-    bm.partial[:, :, 1] = False
-    bm.full[:, :, 1] = False
+    keep = torch.ones_like(bm.partial)
+    keep[:, :, 1] = False  # q-block 1 sees no tile
+    bm = flex.BlockMask.from_tiles(bm.partial & keep, bm.full & keep, bm.block_size, bm.seq_lengths, bm.mask_mod)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out, lse = flex.flex_attention(*leaves, block_mask=bm, return_lse=True)
     out.backward(torch.randn_like(out))

@@ -137,8 +137,9 @@ def test_empty_tiles_are_skipped():
     mask_mod = lambda b, h, q, kv: q - kv < 200  # noqa: E731
     q, k, v, dout = make(1, 2, 2, 300, 280, 64, torch.float32, seed=12)
     bm = flex.create_block_mask(mask_mod, 1, 2, 300, 280, BLOCK_SIZE=128)
-    bm.partial[:, :, 1] = False
-    bm.full[:, :, 1] = False
+    keep = torch.ones_like(bm.partial)
+    keep[:, :, 1] = False  # q-block 1 sees no tile
+    bm = flex.BlockMask.from_tiles(bm.partial & keep, bm.full & keep, bm.block_size, bm.seq_lengths, bm.mask_mod)
     for plan in ("fused", "split"):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         out, lse = flex.flex_attention(*leaves, block_mask=bm, return_lse=True)

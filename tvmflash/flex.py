@@ -223,6 +223,13 @@ class BlockMask:
     partial: torch.Tensor  # (B, H, q-blocks, kv-blocks) bool: some but not every pair kept
     full: torch.Tensor     # every pair kept
 
+    @classmethod
+    def from_tiles(cls, partial: torch.Tensor, full: torch.Tensor, block_size: tuple, seq_lengths: tuple,
+                   mask_mod) -> "BlockMask":
+        """A BlockMask from its (B, H, q-blocks, kv-blocks) partial / full tile maps (disjoint)."""
+        lists = [_index_lists(tiles) for tiles in (partial, full, partial.transpose(-1, -2), full.transpose(-1, -2))]
+        return cls(*(t for pair in lists for t in pair), tuple(block_size), tuple(seq_lengths), mask_mod, partial, full)
+
     @property
     def shape(self) -> tuple:
         return (*self.partial.shape[:2], *self.seq_lengths)
@@ -270,13 +277,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=12
         # as torch: pairs past the sequence ends count as masked, so edge tiles are never full
         all_kept[:, :, qb] = tiles.all(-1).all(2) & (keep.shape[2] == bq)
     full = all_kept & any_kept
-    partial = any_kept & ~full
-    kv_num, kv_idx = _index_lists(partial)
-    fkv_num, fkv_idx = _index_lists(full)
-    q_num, q_idx = _index_lists(partial.transpose(-1, -2))
-    fq_num, fq_idx = _index_lists(full.transpose(-1, -2))
-    return BlockMask(kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx, (bq, bk), (Q_LEN, KV_LEN),
-                     mask_mod, partial, full)
+    return BlockMask.from_tiles(any_kept & ~full, full, (bq, bk), (Q_LEN, KV_LEN), mask_mod)
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask: BlockMask | None = None, scale=None,
@@ -308,7 +309,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask: BlockMask | No
                              f"the inputs are {(B, H, Lq, Lk)}")
         program, tensors = trace(block_mask.mask_mod, "mask")
         flex.append(("mask", program, block_mask.block_size))
-        captures += [*tensors, block_mask.tile_map()]
+        captures += [*tensors, block_mask.tile_map(), block_mask.kv_num_blocks, block_mask.kv_indices,
+                     block_mask.full_kv_num_blocks, block_mask.full_kv_indices]
     for t in captures:
         if t.device != query.device:
             raise ValueError(f"a captured tensor is on {t.device} but query is on {query.device}")

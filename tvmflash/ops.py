@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .spec import AttentionSpec
+from .spec import BLOCK_MASK_ARGS, AttentionSpec
 
 _TORCH_TO_TVM = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -110,9 +110,10 @@ def _mod_args(spec: AttentionSpec, shape, mask, window, softcap, alibi_slopes, d
         for k in range(len(program.captures)):
             t = next(captures)
             values[f"{role}_capture{k}"] = t.view(torch.uint8) if t.dtype == torch.bool else t
-        if block:  # the block mask's tile map follows the captures
-            block_map = next(captures)
-            values["mask_block_map"] = block_map.expand(B, H, *block_map.shape[2:])
+        if block:  # the block mask's tile map and kv-block lists follow the captures
+            for name in BLOCK_MASK_ARGS:
+                t = next(captures)
+                values[name] = t.expand(B, H, *t.shape[2:])
     return tuple(values[name] for name in spec.kernel_arg_names())
 
 

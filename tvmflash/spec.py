@@ -19,6 +19,9 @@ MAX_HEAD_DIM = 256
 VARIANT_ARGS = {"softcap": ("softcap",), "alibi": ("alibi_slopes",), "window": ("window_left", "window_right"),
                 "dropout": ("dropout_p", "dropout_rng")}
 VALUE_VARIANTS = ("softcap", "alibi")
+# a flex block mask's kernel arguments (after its mask_mod's captures): the tile map, then the
+# partial and full kv-block counts and lists per query block (torch's BlockMask fields)
+BLOCK_MASK_ARGS = ("mask_block_map", "mask_kv_num", "mask_kv_indices", "mask_full_kv_num", "mask_full_kv_indices")
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ class AttentionSpec:
         runtime-only deployment can call the kernels."""
         args = {"causal": (), "mask": ("mask",), **VARIANT_ARGS}
         args.update((f"flex_{role}", tuple(f"{role}_capture{k}" for k in range(len(program.captures)))
-                     + (("mask_block_map",) if block else ())) for role, program, block in self.flex)
+                     + (BLOCK_MASK_ARGS if block else ())) for role, program, block in self.flex)
         return tuple(a for name in self._modifier_names() for a in args[name])
 
     @property

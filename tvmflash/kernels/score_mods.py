@@ -23,6 +23,7 @@ from tvm import tirx
 import math
 
 from .common import F32, LOG2E, NEG_INF, KernelArgs, Shape, fast_exp
+from ..spec import BLOCK_MASK_ARGS
 from .program import derivative, kind_of
 
 
@@ -276,25 +277,50 @@ class ScoreProgram(ScoreMod):
     @property
     def arg_names(self):
         names = tuple(f"{self.role}_capture{k}" for k in range(len(self.program.captures)))
-        return names + (("mask_block_map",) if self.block else ())
+        return names + (BLOCK_MASK_ARGS if self.block else ())
 
     def bind(self, args, shape):
         bufs = []
         for name, (dtype, ndim) in zip(self.arg_names, self.program.captures):
             sizes = [tirx.Var(f"{name}_n{d}", "int64") for d in range(ndim)]
             bufs.append(args.tensor(name, sizes, "uint8" if dtype == "bool" else dtype, unit_last_stride=False))
-        block_map = None
-        if self.block:  # (B, H, q-blocks, kv-blocks): 0 empty, 1 partial, 2 full
-            nq, nk = (tirx.Var(f"mask_block_map_n{d}", "int64") for d in (2, 3))
-            block_map = args.tensor("mask_block_map", (shape.batch, shape.heads, nq, nk), "uint8",
-                                    unit_last_stride=False)
-        return _BoundScoreProgram(self.role, self.program, self.block, tuple(bufs), block_map)
+        lists = ()
+        if self.block:  # the tile map, then the kv-block lists of flex's BlockMask
+            nq, nk = (tirx.Var(f"mask_blocks_n{d}", "int64") for d in (2, 3))
+            bh = (shape.batch, shape.heads)
+            lists = tuple(args.tensor(name, (*bh, nq, nk) if "indices" in name or "map" in name else (*bh, nq),
+                                      "uint8" if "map" in name else "int32", unit_last_stride=False)
+                          for name in BLOCK_MASK_ARGS)
+        return _BoundScoreProgram(self.role, self.program, self.block, tuple(bufs), *lists)
 
 
 @dataclass(frozen=True)
 class _BoundScoreProgram(ScoreProgram):
     captures: tuple = ()
-    block_map: tirx.Buffer | None = None
+    block_map: tirx.Buffer | None = None  # (B, H, q-blocks, kv-blocks): 0 empty, 1 partial, 2 full
+    kv_num: tirx.Buffer | None = None  # partial kv-blocks per (b, h, q-block), then their list
+    kv_indices: tirx.Buffer | None = None
+    full_kv_num: tirx.Buffer | None = None  # the full ones
+    full_kv_indices: tirx.Buffer | None = None
+
+    def kv_list(self, q_lo, at):
+        """(count, k0 of the j-th tile) walking only the kv tiles of the block lists (partial
+        ones, then full ones), for tiles of at.extent that divide the block size; None if not."""
+        if self.block_map is None or self.block[0] % at.extent[0] or self.block[1] % at.extent[1]:
+            return None
+        reps = self.block[1] // at.extent[1]  # kernel tiles per listed block
+        qb = q_lo // self.block[0]
+        n_partial = tirx.Cast("int64", self.kv_num[at.b, at.h, qb])
+        count = (n_partial + tirx.Cast("int64", self.full_kv_num[at.b, at.h, qb])) * reps
+        last = self.kv_indices.shape[3] - 1
+
+        def k0(j):
+            n = j // reps
+            listed = tirx.if_then_else(
+                n < n_partial, self.kv_indices[at.b, at.h, qb, tirx.min(n, last)],
+                self.full_kv_indices[at.b, at.h, qb, tirx.max(tirx.min(n - n_partial, last), tirx.const(0, "int64"))])
+            return tirx.Cast("int64", listed) * self.block[1] + j % reps * at.extent[1]
+        return count, k0
 
     def tile_state(self, q_lo, kv_lo, at, shape):
         """OR / AND of the block map's entries over the blocks the tile can span (one when the
@@ -414,6 +440,21 @@ def unit_grad(mods) -> bool:
     return all(m.unit_grad for m in mods)
 
 
+@dataclass(frozen=True)
+class KVWalk:
+    """A query tile's kv tiles: `count` of them, the j-th starting at key `k0(j)`; `live(j)`
+    is None or an expression false for a tile a block mask says to skip."""
+
+    count: tirx.PrimExpr
+    k0: object
+    live: object
+
+    def fetch(self, j):
+        """Whether tile j exists and is not skipped (loads ahead of the compute)."""
+        live = self.live(j)
+        return j < self.count if live is None else tirx.all(j < self.count, live)
+
+
 class ScorePipeline:
     """The bound modifiers of one kernel, applied in order, plus the sequence bounds."""
 
@@ -468,6 +509,18 @@ class ScorePipeline:
         states = [m.tile_state(q_lo, kv_lo, at, self.shape) for m in self.mods if m.is_mask]
         lives = [st[0] for st in states if st is not None]
         return tirx.all(*lives) if lives else None
+
+    def kv_walk(self, q_lo, q_hi, block_k: int, at: TileAt) -> "KVWalk":
+        """The kv tiles of `block_k` keys a query tile [q_lo, q_hi) of extent at.extent visits:
+        only the listed ones of a block mask whose blocks the tiles divide, else every tile in
+        `kv_blocks` (skipping a block mask's empty ones through `live`)."""
+        for m in self.mods:
+            listed = m.kv_list(q_lo, at) if hasattr(m, "kv_list") else None
+            if listed is not None:
+                return KVWalk(*listed, live=lambda j: None)
+        first, end = self.kv_blocks(q_lo, q_hi, block_k)
+        return KVWalk(end - first, lambda j: (first + j) * block_k,
+                      live=lambda j: self.tile_live(q_lo, (first + j) * block_k, at))
 
     def and_live(self, cond, q_lo, kv_lo, at: TileAt):
         """`cond` and `tile_live` (for loads: kernels do not fetch tiles they will skip)."""
