@@ -362,26 +362,27 @@ class _BoundScoreProgram(ScoreProgram):
         if kind == "f":
             return tirx.Cast(F32, expr)
         if kind == "i":
-            return tirx.Cast("int64", expr)
+            return tirx.Cast(PROGRAM_INT, expr)
         return expr != tirx.const(0, expr.dtype)
 
     def _lower(self, node, score, ix):
         op = node[0]
-        leaves = {"score": score, "b": ix.b, "h": ix.h, "q_idx": ix.q_idx, "kv_idx": ix.kv_idx}
-        if op in leaves:
-            return leaves[op]
+        if op == "score":
+            return score
+        if op in ("b", "h", "q_idx", "kv_idx"):
+            return tirx.Cast(PROGRAM_INT, getattr(ix, op))
         if op == "const":
             value = node[1]
-            return tirx.const(value, "bool" if isinstance(value, bool) else "int64" if isinstance(value, int) else F32)
+            return tirx.const(value, "bool" if isinstance(value, bool) else PROGRAM_INT if isinstance(value, int) else F32)
         if op == "capture":
             buf = self.captures[node[1]]
-            index = [tirx.max(tirx.min(self._as(self._lower(i, score, ix), "i", i), n - 1), tirx.const(0, "int64"))
-                     for i, n in zip(node[2:], buf.shape)]
+            index = [tirx.max(tirx.min(tirx.Cast("int64", self._as(self._lower(i, score, ix), "i", i)), n - 1),
+                              tirx.const(0, "int64")) for i, n in zip(node[2:], buf.shape)]
             value = buf[tuple(index)] if index else buf[()]
             kind = self._kind(node)
             if kind == "f":
                 return tirx.Cast(F32, value)
-            return value != tirx.const(0, buf.dtype) if kind == "b" else tirx.Cast("int64", value)
+            return value != tirx.const(0, buf.dtype) if kind == "b" else tirx.Cast(PROGRAM_INT, value)
         kind = self._kind(node)
         args = node[2:] if op == "where" else node[1:]
         # operands in the kind the op computes in: the result's, or the widest operand's for compares
@@ -407,6 +408,11 @@ class _BoundScoreProgram(ScoreProgram):
         if op == "pow":
             return _power(x[0], node[2][1])
         return _FLOAT_OPS[op](x[0])
+
+
+# integer values of programs (indices, captured ids): 32-bit, which GPUs and vector units
+# handle natively (int64 -> float conversions are emulated on GPUs); indices stay below 2^31
+PROGRAM_INT = "int32"
 
 
 def _power(x, n):
