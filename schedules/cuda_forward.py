@@ -107,9 +107,13 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         copy_rows(pool, 0, Q, b, h, q0, BM, LQ, D, tid, NT)
         at = T.meta_var(TileAt(b, h, (BM, BN)))
         walk = T.meta_var(score.kv_walk(q0, T.min(q0 + BM, LQ), BN, at))  # the K/V tiles to visit
+        # first keys of this and the next tile, in registers: with a block mask they come from
+        # its lists, and a load per use would sit in every score's index
+        kv0 = T.alloc_local([2], "int64")
+        kv0[1] = walk.k0(0)
         if walk.fetch(0):  # tiles to be skipped are not fetched
-            copy_rows(pool, K_ROW, K, b, hk, walk.k0(0), BN, LK, D, tid, NT)
-            copy_rows(pool, V_ROW, V, b, hk, walk.k0(0), BN, LK, D, tid, NT)
+            copy_rows(pool, K_ROW, K, b, hk, kv0[1], BN, LK, D, tid, NT)
+            copy_rows(pool, V_ROW, V, b, hk, kv0[1], BN, LK, D, tid, NT)
         T.ptx["cp.async.commit_group"]()
         for i in T.unroll(MT * ND * 4):
             o[i] = T.float32(0)
@@ -121,7 +125,7 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         def tile_step(j):
             # one K/V tile: S, online softmax, O += P V
             buf = T.meta_var(j % ST)
-            k0 = T.meta_var(walk.k0(j))
+            k0 = T.meta_var(kv0[0])
             # S = Q K^T: every K fragment feeds the warp's MT m-tiles
             for i in T.unroll(MT * NS * 4):
                 s[i] = T.float32(0)
@@ -151,9 +155,11 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                         mma_16x16(MMA, o, (mt * ND + dd * 2) * 4, pw, mt * NS * 2 + kk * 4, vb, 0)
 
         for j in T.serial(walk.count):
+            kv0[0] = kv0[1]
+            kv0[1] = walk.k0(j + 1)  # (clamped in bounds past the last tile)
             if walk.fetch(j + 1):  # prefetch the next K/V tile into the next buffer
-                copy_rows(pool, K_ROW + (j + 1) % ST * BN, K, b, hk, walk.k0(j + 1), BN, LK, D, tid, NT)
-                copy_rows(pool, V_ROW + (j + 1) % ST * BN, V, b, hk, walk.k0(j + 1), BN, LK, D, tid, NT)
+                copy_rows(pool, K_ROW + (j + 1) % ST * BN, K, b, hk, kv0[1], BN, LK, D, tid, NT)
+                copy_rows(pool, V_ROW + (j + 1) % ST * BN, V, b, hk, kv0[1], BN, LK, D, tid, NT)
             T.ptx["cp.async.commit_group"]()
             T.ptx["cp.async.wait_group"](1)
             T.cuda.cta_sync()
