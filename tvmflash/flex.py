@@ -64,6 +64,22 @@ def _unwrap_index(index):
     return index if isinstance(index, tuple) else (index,)
 
 
+def _torch_op_table() -> dict:
+    """torch function / Tensor method name -> (program op, operands reversed)."""
+    spellings = {"add": ("add",), "sub": ("sub",), "mul": ("mul",), "div": ("div", "true_divide", "truediv"),
+                 "floordiv": ("floor_divide", "floordiv"), "mod": ("remainder", "mod"),
+                 "and": ("logical_and", "and"), "or": ("logical_or", "or"), "pow": ("pow",),
+                 **{c: (c,) for c in COMPARE}}
+    table = {"logical_not": ("not", False), "__invert__": ("not", False)}
+    for op, names in spellings.items():
+        for n in names:
+            table.update({n: (op, False), f"__{n}__": (op, False), f"__r{n}__": (op, True)})
+    return table
+
+
+_TORCH_OPS = _torch_op_table()
+
+
 class Traced:
     """A value of a score_mod/mask_mod being traced: a program node."""
 
@@ -154,16 +170,7 @@ class Traced:
             hi = kwargs.get("max", args[2] if len(args) > 2 else None)
             x = args[0] if isinstance(args[0], Traced) else Traced(trace.lift(args[0]), trace)
             return x.clamp(lo, hi)
-        binary = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "true_divide": "div",
-                  "floor_divide": "floordiv", "remainder": "mod", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge",
-                  "eq": "eq", "ne": "ne", "logical_and": "and", "logical_or": "or", "pow": "pow"}
-        dunder = name.strip("_")
-        reverse = dunder.startswith("r") and dunder[1:] in ("add", "sub", "mul", "truediv", "floordiv", "mod",
-                                                            "and", "or")
-        base = {"truediv": "div", "floordiv": "floordiv", "and": "and", "or": "or", "invert": "not",
-                "mod": "mod"}.get(dunder[1:] if reverse else dunder, dunder[1:] if reverse else dunder)
-        op = binary.get(base, base if base in ("add", "sub", "mul", "div", "floordiv", "mod", "and", "or",
-                                               "not") + COMPARE else None)
+        op, reverse = _TORCH_OPS.get(name, (None, False))
         if op is None:
             raise TypeError(f"score_mod/mask_mod used {name}, which tvmflash cannot trace")
         nodes = [trace.lift(a) for a in args]
