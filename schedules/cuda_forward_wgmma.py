@@ -35,11 +35,14 @@ from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registe
 DEFAULTS = {"forward_wgmma": 1, "wgmma_block_n": 128, "wgmma_warpgroups": 2}
 
 
-def supports(spec: AttentionSpec, arch: str) -> bool:
-    """sm_90a, head dims of multiples of 64; not block-sparse flex specs: walking a block
-    mask's lists in this kernel measured 2x slower than the plain causal kernel on the H100
-    (the list loads sit on the path of its K/V pipeline), so the mma forward takes them."""
-    return arch == "sm_90a" and spec.head_dim % 64 == 0 and not spec.block_sparse
+def supports(spec: AttentionSpec, arch: str, knobs: dict | None = None) -> bool:
+    """sm_90a, head dims of multiples of 64; with a flex block mask, tiles that divide its
+    blocks (this kernel walks the mask's block lists; the mma forward takes the others)."""
+    if not (arch == "sm_90a" and spec.head_dim % 64 == 0):
+        return False
+    knobs = {**default_knobs(spec), **(knobs or {})}
+    tile = (64 * knobs["wgmma_warpgroups"], knobs["wgmma_block_n"])
+    return all(b % t == 0 for _, _, block in spec.flex if block for b, t in zip(block, tile))
 
 
 def default_knobs(spec: AttentionSpec) -> dict:
@@ -139,6 +142,9 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             T.ptx["cp.async.commit_group"]()
 
         n = T.meta_var(walk.count)
+        # the tile's first key in a register: from a block mask's lists it is a load, which
+        # would otherwise sit in every score's index
+        kv0 = T.alloc_local([1], "int64")
         copy_rows_sw128(pool, 0, Q, b, h, q0, BM, LQ, D, tid, NT)
         copy_rows_sw128(pool, K_OFF, K, b, hk, walk.k0(0), BN, LK, D, tid, NT)
         copy_rows_sw128(pool, V_OFF, V, b, hk, walk.k0(0), BN, LK, D, tid, NT)
@@ -159,7 +165,8 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             issue_s(0)
             T.ptx.wgmma.wait_group.sync.aligned(0)
             fence_registers(s, NS * 4)
-            scores_to_p(walk.k0(0))
+            kv0[0] = walk.k0(0)
+            scores_to_p(kv0[0])
             to_a_fragments(s, p, NS * 4)
 
         # Iteration j: S_{j+1} = Q K_{j+1}^T and O += P_j V_j go to the tensor cores back to back;
@@ -173,7 +180,8 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             issue_pv(j)
             T.ptx.wgmma.wait_group.sync.aligned(1)
             fence_registers(s, NS * 4)
-            scores_to_p(walk.k0(j + 1))
+            kv0[0] = walk.k0(j + 1)
+            scores_to_p(kv0[0])
             T.ptx.wgmma.wait_group.sync.aligned(0)
             fence_registers(o, ND * 4)
             to_a_fragments(s, p, NS * 4)

@@ -310,6 +310,11 @@ def _flex_cases():
         ("softcap score", torch.float16, 64, lambda s, b, h, q, kv: 20 * torch.tanh(s / 20), None, None),
         ("document mask", torch.bfloat16, 64, None, lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv), 128),
         ("sliding window", torch.float16, 128, None, lambda b, h, q, kv: (q >= kv) & (q - kv <= 200), 128),
+        # the mma forward: walking the block lists (no wgmma for D 96), and skipping through the
+        # tile map (64-blocks do not divide its 128-row tiles)
+        ("sliding window d96", torch.float16, 96, None, lambda b, h, q, kv: (q >= kv) & (q - kv <= 200), 128),
+        ("alibi + document, 64-blocks", torch.bfloat16, 64, lambda s, b, h, q, kv: s - slopes[h] * torch.abs(q - kv),
+         lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv), 64),
     ]
 
 
@@ -327,7 +332,7 @@ def cuda_flex_specs() -> list:
 
 
 @needs_gpu
-@pytest.mark.parametrize("case", range(4), ids=lambda i: _flex_cases()[i][0])
+@pytest.mark.parametrize("case", range(len(_flex_cases())), ids=lambda i: _flex_cases()[i][0])
 @pytest.mark.parametrize("lq,lk", [(113, 203), (1024, 1024)], ids=str)
 def test_cuda_flex(case, lq, lk):
     from tvmflash import flex

@@ -189,7 +189,7 @@ def _cuda_kernels(spec: AttentionSpec, arch: str, knobs: dict) -> dict:
     from .schedules import cuda_backward, cuda_backward_wgmma, cuda_forward, cuda_forward_wgmma
 
     kernels = cuda_backward.backward_kernels_cuda(spec, knobs, arch)
-    if knobs["forward_wgmma"] and cuda_forward_wgmma.supports(spec, arch):
+    if knobs["forward_wgmma"] and cuda_forward_wgmma.supports(spec, arch, knobs):
         kernels["forward"] = cuda_forward_wgmma.forward_kernel_wgmma(spec, knobs)
     else:
         kernels["forward"] = cuda_forward.forward_kernel_cuda(spec, knobs)
