@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from tvmflash import flex
-from tvmflash.bench import _auto_iters, _interleaved_median_ms, _warm_up, machine_info
+from tvmflash.bench import _auto_iters, _interleaved_median_ms, _warm_up, machine_info, plot_ratio_bars
 
 B, H, D = 1, 16, 128
 SEQLENS = (4096, 16384)
@@ -86,27 +86,11 @@ def main(out_dir: Path) -> None:
             "note": "ratio = torch.compile(flex_attention) time / tvmflash time (> 1: tvmflash is faster)",
             "rows": rows}
     (out_dir / "cuda-h100-flex.json").write_text(json.dumps(meta, indent=1))
-    plot(rows, out_dir / "cuda-h100-flex.png")
+    plot_ratio_bars(out_dir / "cuda-h100-flex.png", [f"{r['case']}\nL={r['seqlen']}" for r in rows],
+                    {"forward": [r["ratio_fwd"] for r in rows], "forward+backward": [r["ratio_fwd_bwd"] for r in rows]},
+                    "torch flex time / tvmflash time",
+                    f"flex_attention vs torch.compile(flex_attention), H100, bf16 B={B} H={H} D={D}", fontsize=6)
     print(out_dir / "cuda-h100-flex.json")
-
-
-def plot(rows: list, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 3.8))
-    xs = range(len(rows))
-    for i, (key, label) in enumerate((("ratio_fwd", "forward"), ("ratio_fwd_bwd", "forward+backward"))):
-        ax.bar([x + (i - 0.5) * 0.38 for x in xs], [r[key] for r in rows], 0.38, label=label)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(list(xs), [f"{r['case']}\nL={r['seqlen']}" for r in rows], fontsize=6)
-    ax.set_ylabel("torch flex time / tvmflash time")
-    ax.set_title(f"flex_attention vs torch.compile(flex_attention), H100, bf16 B={B} H={H} D={D}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 import tvmflash
-from tvmflash.bench import _auto_iters, _interleaved_median_ms, _warm_up, machine_info
+from tvmflash.bench import _auto_iters, _interleaved_median_ms, _warm_up, machine_info, plot_ratio_bars
 
 B, H, D = 1, 16, 128
 # (name, plain kernel's keywords, variant's keywords)
@@ -78,28 +78,11 @@ def main(out_dir: Path) -> None:
     meta = {"machine": machine_info(device), "shape": {"B": B, "H": H, "D": D, "L": seqlen, "dtype": "bf16"},
             "note": "speedup = plain time / variant time (> 1: the variant is faster)", "rows": rows}
     (out_dir / f"{tag}.json").write_text(json.dumps(meta, indent=1))
-    plot(rows, out_dir / f"{tag}.png", f"variants vs plain kernel, {device}, bf16 B={B} H={H} L={seqlen} D={D}")
+    plot_ratio_bars(out_dir / f"{tag}.png", [r["case"] for r in rows],
+                    {"forward": [r["speedup_fwd"] for r in rows], "forward+backward": [r["speedup_fwd_bwd"] for r in rows]},
+                    "plain time / variant time", f"variants vs plain kernel, {device}, bf16 B={B} H={H} L={seqlen} D={D}",
+                    log=True)
     print(out_dir / f"{tag}.json")
-
-
-def plot(rows: list, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    xs = range(len(rows))
-    for i, (key, label) in enumerate((("speedup_fwd", "forward"), ("speedup_fwd_bwd", "forward+backward"))):
-        ax.bar([x + (i - 0.5) * 0.38 for x in xs], [r[key] for r in rows], 0.38, label=label)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_yscale("log")
-    ax.set_xticks(list(xs), [r["case"] for r in rows], fontsize=8)
-    ax.set_ylabel("plain time / variant time")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -432,6 +432,31 @@ def plot_results(json_path: str | Path) -> Path:
     return png_path
 
 
+def plot_ratio_bars(path: Path, labels: list, series: dict, ylabel: str, title: str, log: bool = False,
+                    fontsize: int = 8) -> None:
+    """Grouped bars of ratios (1.0 marked): one group per label, one bar per series (name ->
+    one value per label). For the scripts' comparisons (variants, flex)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.9 * len(labels) + 2), 3.8))
+    width = 0.76 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))], values, width, label=name)
+    ax.axhline(1.0, color="k", lw=0.8)
+    if log:
+        ax.set_yscale("log")
+    ax.set_xticks(list(range(len(labels))), labels, fontsize=fontsize)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _point_label(row: dict) -> str:
     lq = row.get("seqlen_q", row["seqlen"])
     return f"{row['dtype']}\nD{row['head_dim']} L{row['seqlen']}" + (f"\nLq{lq}" if lq != row["seqlen"] else "") + (
