@@ -49,9 +49,7 @@ class _Trace:
         """A program node for an operand."""
         if isinstance(x, Traced):
             return x.node
-        if isinstance(x, bool):
-            return ("const", x)
-        if isinstance(x, (int, float)):
+        if isinstance(x, (bool, int, float)):
             return ("const", x)
         if isinstance(x, torch.Tensor) and x.dim() == 0:
             return self.capture(x, ()).node
@@ -68,8 +66,8 @@ def _torch_op_table() -> dict:
     """torch function / Tensor method name -> (program op, operands reversed)."""
     spellings = {"add": ("add",), "sub": ("sub",), "mul": ("mul",), "div": ("div", "true_divide", "truediv"),
                  "floordiv": ("floor_divide", "floordiv"), "mod": ("remainder", "mod"),
-                 "and": ("logical_and", "and"), "or": ("logical_or", "or"), "pow": ("pow",),
-                 **{c: (c,) for c in COMPARE}}
+                 "and": ("logical_and", "and"), "or": ("logical_or", "or"), "xor": ("logical_xor", "xor"),
+                 "pow": ("pow",), **{c: (c,) for c in COMPARE}}
     table = {"logical_not": ("not", False), "__invert__": ("not", False)}
     for op, names in spellings.items():
         for n in names:
@@ -93,30 +91,6 @@ class Traced:
         nodes = [*args, self.node] if reverse else [self.node, *args]
         return Traced((op, *nodes), self.trace)
 
-    __add__ = lambda self, o: self._op("add", o)  # noqa: E731
-    __radd__ = lambda self, o: self._op("add", o, reverse=True)  # noqa: E731
-    __sub__ = lambda self, o: self._op("sub", o)  # noqa: E731
-    __rsub__ = lambda self, o: self._op("sub", o, reverse=True)  # noqa: E731
-    __mul__ = lambda self, o: self._op("mul", o)  # noqa: E731
-    __rmul__ = lambda self, o: self._op("mul", o, reverse=True)  # noqa: E731
-    __truediv__ = lambda self, o: self._op("div", o)  # noqa: E731
-    __rtruediv__ = lambda self, o: self._op("div", o, reverse=True)  # noqa: E731
-    __floordiv__ = lambda self, o: self._op("floordiv", o)  # noqa: E731
-    __rfloordiv__ = lambda self, o: self._op("floordiv", o, reverse=True)  # noqa: E731
-    __mod__ = lambda self, o: self._op("mod", o)  # noqa: E731
-    __rmod__ = lambda self, o: self._op("mod", o, reverse=True)  # noqa: E731
-    __lt__ = lambda self, o: self._op("lt", o)  # noqa: E731
-    __le__ = lambda self, o: self._op("le", o)  # noqa: E731
-    __gt__ = lambda self, o: self._op("gt", o)  # noqa: E731
-    __ge__ = lambda self, o: self._op("ge", o)  # noqa: E731
-    __eq__ = lambda self, o: self._op("eq", o)  # noqa: E731
-    __ne__ = lambda self, o: self._op("ne", o)  # noqa: E731
-    __and__ = lambda self, o: self._op("and", o)  # noqa: E731
-    __rand__ = lambda self, o: self._op("and", o, reverse=True)  # noqa: E731
-    __or__ = lambda self, o: self._op("or", o)  # noqa: E731
-    __ror__ = lambda self, o: self._op("or", o, reverse=True)  # noqa: E731
-    __xor__ = lambda self, o: self._op("xor", o)  # noqa: E731
-    __invert__ = lambda self: self._op("not")  # noqa: E731
     __neg__ = lambda self: self._op("neg")  # noqa: E731
     __abs__ = lambda self: self._op("abs")  # noqa: E731
     __hash__ = None
@@ -177,6 +151,17 @@ class Traced:
         if reverse:
             nodes = nodes[::-1]
         return Traced((op, *nodes), trace)
+
+
+def _operator(op: str, reverse: bool):
+    return lambda self, *other: self._op(op, *other, reverse=reverse)
+
+
+# Python's operators on traced values, from the same table as torch's spellings (`**` is
+# Traced.__pow__: constant exponents only)
+for _name, (_op_name, _reverse) in _TORCH_OPS.items():
+    if _name.startswith("__") and hasattr(int, _name) and _op_name != "pow":
+        setattr(Traced, _name, _operator(_op_name, _reverse))
 
 
 @dataclass(frozen=True)
