@@ -19,11 +19,11 @@ from .spec import BLOCK_MASK_ARGS, AttentionSpec
 _TORCH_TO_TVM = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-_FLEX_PROGRAMS: dict = {}  # key -> ((role, flex.Program), ...): traced score/mask mods by name
+_FLEX_PROGRAMS: dict = {}  # key -> AttentionSpec.flex entries ((role, program, block), ...)
 
 
 def register_flex(programs: tuple) -> str:
-    """A string key for traced flex programs (what the custom ops can carry)."""
+    """A string key for traced flex programs (a plain argument of `attention`)."""
     import hashlib
 
     key = hashlib.sha256(repr(programs).encode()).hexdigest()[:16]

@@ -36,7 +36,7 @@ class AttentionSpec:
     variants: tuple = field(default=())
     # flex_attention: ((role, flex.Program, block), ...), role "score" (score_mod) then "mask"
     # (mask_mod; block: the (query, key) block size of its block map, or None); captured
-    # tensors are kernel arguments `<role>_capture<k>`, the block map `mask_block_map`
+    # tensors are kernel arguments `<role>_capture<k>`, the block mask's are BLOCK_MASK_ARGS
     flex: tuple = field(default=())
 
     def __post_init__(self):

@@ -349,8 +349,8 @@ class _BoundScoreProgram(ScoreProgram):
     def grad(self, score, ix, shape):
         if self.role == "mask":
             return tirx.const(1.0, F32)
-        return self._as(self._lower(derivative(self.program.node, self.program.captures), score, ix), "f",
-                        derivative(self.program.node, self.program.captures))
+        d_node = derivative(self.program.node, self.program.captures)
+        return self._as(self._lower(d_node, score, ix), "f", d_node)
 
     def _kind(self, node):
         return kind_of(node, self.program.captures)
