@@ -49,10 +49,7 @@ def modified(score: ScorePipeline, s, ix: ScoreIndex, masked: bool = True):
     """`score`'s modifiers without its bounds check (a compare per score): the kernel masks
     padded keys per key row and never stores padded queries (ix must be clamped in bounds).
     `masked=False` (tiles that `tile_unmasked` proves whole) applies only value modifiers."""
-    for mod in score.mods:
-        if masked or not mod.is_mask:
-            s = mod.apply(s, ix, score.shape)
-    return s
+    return score.modify(s, ix, masked)
 
 
 def rewritten_tile(score: ScorePipeline, has_mods: bool, whole):

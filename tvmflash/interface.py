@@ -17,11 +17,11 @@ from .spec import MAX_HEAD_DIM
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check_tensor(name: str, x) -> None:
+def _check_tensor(name: str, x, ndim: int = 4, layout: str = "") -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 4:
-        raise ValueError(f"{name} must be 4-D, got shape {tuple(x.shape)}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D{layout}, got shape {tuple(x.shape)}")
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
     if x.stride(-1) != 1 and x.shape[-1] > 1:
@@ -156,13 +156,13 @@ def _check_dropout(dropout_p) -> float:
     return float(dropout_p)
 
 
-def _check_alibi(alibi_slopes, q):
+def _check_alibi(alibi_slopes, q, batch: int):
     """ALiBi slopes: float32 (nheads,) or (batch, nheads) on q's device."""
     if alibi_slopes is None:
         return None
     if not isinstance(alibi_slopes, torch.Tensor):
         raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
-    B, H = q.shape[0], q.shape[1]
+    B, H = batch, q.shape[1]
     if alibi_slopes.dtype != torch.float32:
         raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
     if alibi_slopes.device != q.device:
@@ -195,19 +195,186 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     bitwise reproducible (dQ without atomics, somewhat slower); the CPU backward always is.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, x)
-    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
-    _check_qkv(qh, kh, vh)
+        _check_tensor(name, x, 4, " (batch, seqlen, nheads, head_dim)")
+    out, lse, keep = _flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p,
+                                      softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                      return_attn_probs)
+    out = out.transpose(1, 2)
+    return (out, lse, keep) if return_attn_probs else out
+
+
+def _flash_attention(qh, kh, vh, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                     deterministic, return_attn_probs, seqlens=None, names=("q", "k", "v")):
+    """flash-attn's semantics on (B, H, L, D) views: (out view, lse, keep mask or None).
+    `seqlens` (`_packed_rows`: the row tables and the sequence count) packs sequences into B = 1."""
+    _check_qkv(qh, kh, vh, names)
     window = _check_window(window_size, causal)
     softcap = _check_softcap(softcap)
-    alibi_slopes = _check_alibi(alibi_slopes, qh)
+    num_seqs = seqlens[2] if seqlens else None
+    alibi_slopes = _check_alibi(alibi_slopes, qh, num_seqs or qh.shape[0])
+    if alibi_slopes is not None and seqlens:  # a row per sequence
+        alibi_slopes = alibi_slopes.expand(num_seqs, qh.shape[1])
     dropout_p = _check_dropout(dropout_p)
-    seed = rng.draw_seed(q.device) if dropout_p else None
-    out, lse = attention(qh, kh, vh, None, _scale(softmax_scale, q.shape[-1], "softmax_scale"),
+    seed = rng.draw_seed(qh.device) if dropout_p else None
+    out, lse = attention(qh, kh, vh, None, _scale(softmax_scale, qh.shape[-1], "softmax_scale"),
                          "bottom_right" if causal else "none", bool(deterministic), *window, softcap, alibi_slopes,
-                         dropout_p, seed)
-    out = out.transpose(1, 2)
-    if not return_attn_probs:
-        return out
-    keep = rng.keep_mask(*qh.shape[:3], kh.shape[2], dropout_p, seed) if dropout_p else None
+                         dropout_p, seed, seqlens[:2] if seqlens else None)
+    keep = None
+    if return_attn_probs and dropout_p:
+        keep = rng.keep_mask(*qh.shape[:3], kh.shape[2], dropout_p, seed)
     return out, lse, keep
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn.flash_attn_qkvpacked_func: qkv (B, L, 3, H, D), the stacked q, k, v (their
+    gradient arrives in one tensor); otherwise as `flash_attn_func`."""
+    _check_tensor("qkv", qkv, 5, " (batch, seqlen, 3, nheads, head_dim)")
+    _check_stacked("qkv", qkv, 3)
+    return flash_attn_func(*qkv.unbind(2), dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn.flash_attn_kvpacked_func: q (B, Lq, H, D), kv (B, Lk, 2, Hk, D) the stacked
+    k, v; otherwise as `flash_attn_func`."""
+    _check_tensor("kv", kv, 5, " (batch, seqlen_k, 2, nheads_k, head_dim)")
+    _check_stacked("kv", kv, 2)
+    return flash_attn_func(q, *kv.unbind(2), dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def _check_stacked(name: str, x, n: int) -> None:
+    if x.shape[-3] != n:
+        raise ValueError(f"{name} must stack {n} tensors in dimension {x.dim() - 3}, got shape {tuple(x.shape)}")
+
+
+def _check_cu_seqlens(name: str, cu, total: int, device, max_name: str, max_seqlen) -> list:
+    """cu_seqlens: int32 (batch + 1,) on the tensors' device, 0 first, non-decreasing, the
+    token count last; `max_seqlen` an int no smaller than the longest sequence. Returns the
+    lengths (reads the offsets to the host: one sync on CUDA)."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be 1-D of length batch + 1, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but the tensors are on {device}")
+    offsets = cu.tolist()
+    if offsets[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {offsets[0]}")
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"{name} must be non-decreasing, got {offsets}")
+    if offsets[-1] != total:
+        raise ValueError(f"{name} must end at the number of tokens ({total}), got {offsets[-1]}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+        raise TypeError(f"{max_name} must be an int, got {type(max_seqlen).__name__}")
+    if max_seqlen < max(lengths, default=0):
+        raise ValueError(f"{max_name} ({max_seqlen}) is below the longest sequence of {name} ({max(lengths)})")
+    return lengths
+
+
+def _packed_rows(lengths_q: list, lengths_k: list, device) -> list:
+    """The kernels' packed-sequence arguments (kernels/score_mods.py's Varlen): per query row
+    [sequence, query start, query count, key start, key count], per key row [sequence, key
+    start, key count, query start, query count]; then the sequence count."""
+    n = len(lengths_q)
+    starts_q = [sum(lengths_q[:b]) for b in range(n)]
+    starts_k = [sum(lengths_k[:b]) for b in range(n)]
+    seq = torch.tensor([[b, starts_q[b], lengths_q[b], starts_k[b], lengths_k[b]] for b in range(n)],
+                       dtype=torch.int32).reshape(n, 5)
+    rows_q = seq.repeat_interleave(torch.tensor(lengths_q, dtype=torch.int64), dim=0)
+    rows_k = seq[:, [0, 3, 4, 1, 2]].repeat_interleave(torch.tensor(lengths_k, dtype=torch.int64), dim=0)
+    return [rows_q.to(device), rows_k.to(device), n]
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """flash_attn.flash_attn_varlen_func: sequences packed back to back, q (total_q, H, D),
+    k/v (total_k, Hk, D); sequence b owns rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] of q and
+    cu_seqlens_k[b] .. cu_seqlens_k[b+1] of k and v (int32 (batch + 1,) offsets; empty
+    sequences allowed). Every keyword is `flash_attn_func`'s, applied per sequence: causal and
+    windows align each sequence's own bottom-right corner, ALiBi slopes are (H,) or (batch, H).
+    Returns out (total_q, H, D); with `return_attn_probs`, (out, lse (H, total_q), keep), keep
+    the (H, total_q, total_k) dropout mask in packed coordinates (None without dropout).
+    The offsets are checked (read to the host: one sync on CUDA); `max_seqlen_*` must bound the
+    lengths (the kernels do not need them). Paged keys (`block_table`) are not built yet."""
+    if block_table is not None:
+        raise NotImplementedError("flash_attn_varlen_func with a paged cache (block_table) is not supported yet")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x, 3, " (total_tokens, nheads, head_dim)")
+    lengths_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, "max_seqlen_q", max_seqlen_q)
+    lengths_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device, "max_seqlen_k", max_seqlen_k)
+    if len(lengths_q) != len(lengths_k):
+        raise ValueError(f"cu_seqlens_q has {len(lengths_q) + 1} entries but cu_seqlens_k has {len(lengths_k) + 1}: "
+                         "both must be batch + 1 long")
+    seqlens = _packed_rows(lengths_q, lengths_k, q.device)
+    as_batch = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731  (T, H, D) -> (1, H, T, D) view
+    out, lse, keep = _flash_attention(as_batch(q), as_batch(k), as_batch(v), dropout_p, softmax_scale, causal,
+                                      window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                                      seqlens)
+    out = out[0].transpose(0, 1)
+    return (out, lse[0], None if keep is None else keep[0]) if return_attn_probs else out
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash_attn.flash_attn_varlen_qkvpacked_func: qkv (total, 3, H, D); otherwise as
+    `flash_attn_varlen_func` with the same offsets for queries and keys."""
+    _check_tensor("qkv", qkv, 4, " (total_tokens, 3, nheads, head_dim)")
+    _check_stacked("qkv", qkv, 3)
+    return flash_attn_varlen_func(*qkv.unbind(1), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn.flash_attn_varlen_kvpacked_func: q (total_q, H, D), kv (total_k, 2, Hk, D);
+    otherwise as `flash_attn_varlen_func`."""
+    _check_tensor("kv", kv, 4, " (total_tokens_k, 2, nheads_k, head_dim)")
+    _check_stacked("kv", kv, 2)
+    return flash_attn_varlen_func(q, *kv.unbind(1), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+def merge_attention_states(out_a, lse_a, out_b, lse_b):
+    """Attention over the union of two disjoint sets of keys, from the results over each:
+    out (..., D) and lse (...) = out's shape less the head dim (float32, natural log; -inf for
+    a query that saw no key), as this library's functions return them (flash-attn's lse is
+    (B, H, Lq) against out (B, Lq, H, D): pass lse.transpose(1, 2), or out.transpose(1, 2)).
+    Returns (out, lse): lse = log(e^lse_a + e^lse_b), out = the lse-weighted sum of the two, in
+    out_a's dtype, accumulated in fp32; a query neither saw gets out = 0 and lse = -inf.
+    Split-KV decode and context parallelism combine partial results this way. Differentiable."""
+    for name, x in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.device != out_a.device:
+            raise ValueError(f"{name} is on {x.device} but out_a is on {out_a.device}")
+    if out_a.dim() < 1 or out_a.shape != out_b.shape:
+        raise ValueError(f"out_a and out_b must have one shape, got {tuple(out_a.shape)} and {tuple(out_b.shape)}")
+    if out_b.dtype != out_a.dtype or out_a.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"out_a and out_b must share a float dtype, got {out_a.dtype} and {out_b.dtype}")
+    for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if x.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {x.dtype}")
+        if x.shape != out_a.shape[:-1]:
+            raise ValueError(f"{name} must have out's shape without its last dim, {tuple(out_a.shape[:-1])}, "
+                             f"got {tuple(x.shape)}")
+    # where neither saw a key, -inf - -inf would be NaN (in the value or its gradient): those
+    # rows take a finite stand-in, then lse -inf and weights 0
+    top = torch.maximum(lse_a, lse_b)
+    seen = top > float("-inf")
+    top = torch.where(seen, top, 0.0)
+    total = torch.where(seen, (lse_a - top).exp() + (lse_b - top).exp(), 1.0)
+    lse = torch.where(seen, top + total.log(), float("-inf"))
+    weight_a, weight_b = (torch.where(seen, x - lse, float("-inf")).exp().unsqueeze(-1) for x in (lse_a, lse_b))
+    out = (weight_a * out_a.float() + weight_b * out_b.float()).to(out_a.dtype)
+    return out, lse

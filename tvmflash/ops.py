@@ -33,11 +33,12 @@ def register_flex(programs: tuple) -> str:
 
 def spec_for(q: torch.Tensor, mask: Optional[torch.Tensor], causal: str, window: tuple = (-1, -1),
              softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
-             dropout_p: float = 0.0, flex: str = "") -> AttentionSpec:
+             dropout_p: float = 0.0, flex: str = "", packed: bool = False) -> AttentionSpec:
     """The spec of a call: dtype, head dim, causal mode, mask kind and which variants it uses
     (their values are kernel arguments, `_mod_args`)."""
     variants = tuple(name for name, on in (("softcap", softcap > 0), ("alibi", alibi_slopes is not None),
-                                           ("window", tuple(window) != (-1, -1)), ("dropout", dropout_p > 0))
+                                           ("window", tuple(window) != (-1, -1)), ("dropout", dropout_p > 0),
+                                           ("varlen", packed))
                      if on)
     if mask is None:
         kind, mask_dtype = "none", None
@@ -90,11 +91,12 @@ def _on_stream(device: torch.device):
 
 
 def _mod_args(spec: AttentionSpec, shape, mask, window, softcap, alibi_slopes, dropout_p=0.0,
-              dropout_rng=None, flex_captures=None) -> tuple:
+              dropout_rng=None, flex_captures=None, seqlens=None) -> tuple:
     """The score modifiers' kernel arguments, in the order the kernels declare them: the mask
     as a (B, H, Lq, Lk) view (broadcast through zero strides, bool as uint8), the window's sizes
     (an unbounded side as Lq + Lk), the softcap, ALiBi slopes as a (B, H) view, dropout's p
-    and [seed, offset]."""
+    and [seed, offset], packed sequences' row tables (kernels/score_mods.py's Varlen; ALiBi
+    slopes then come with a row per sequence)."""
     B, H, Lq, Lk = shape
     values = {}
     if mask is not None:
@@ -103,8 +105,9 @@ def _mod_args(spec: AttentionSpec, shape, mask, window, softcap, alibi_slopes, d
     values["window_left"], values["window_right"] = (w if w >= 0 else Lq + Lk for w in window)
     values["softcap"] = float(softcap)
     if alibi_slopes is not None:
-        values["alibi_slopes"] = alibi_slopes.expand(B, H)
+        values["alibi_slopes"] = alibi_slopes if seqlens else alibi_slopes.expand(B, H)
     values["dropout_p"], values["dropout_rng"] = float(dropout_p), dropout_rng
+    values.update(zip(("varlen_q_rows", "varlen_k_rows"), seqlens or ()))
     captures = iter(flex_captures or ())
     for role, program, block in spec.flex:
         for k in range(len(program.captures)):
@@ -120,17 +123,17 @@ def _mod_args(spec: AttentionSpec, shape, mask, window, softcap, alibi_slopes, d
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
               causal: str, deterministic: bool = False, window_left: int = -1, window_right: int = -1,
               softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-              dropout_rng: Optional[torch.Tensor] = None, flex: str = "",
+              dropout_rng: Optional[torch.Tensor] = None, seqlens: Optional[list] = None, flex: str = "",
               flex_captures: Optional[list] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output and lse, differentiable. Under torch.compile this is the
     `tvmflash::attention_forward` operator (traceable, fake impls); in eager mode the same
     kernels run through a plain autograd.Function, which costs a fraction of the custom op's
     per-call dispatch (tens of microseconds, the whole runtime of a small attention call)."""
-    variant = (window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_rng, flex, flex_captures)
+    variant = (window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_rng, seqlens, flex, flex_captures)
     if torch.compiler.is_compiling():
         if flex:
             raise NotImplementedError("tvmflash.flex_attention under torch.compile is not supported yet")
-        return attention_forward(q, k, v, mask, scale, causal, deterministic, *variant[:-2])
+        return attention_forward(q, k, v, mask, scale, causal, deterministic, *variant[:-3], *(seqlens or _NO_SEQLENS))
     return _EagerAttention.apply(q, k, v, mask, scale, causal, deterministic, *variant)
 
 
@@ -138,18 +141,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                       scale: float, causal: str, deterministic: bool = False, window_left: int = -1,
                       window_right: int = -1, softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
-                      dropout_p: float = 0.0, dropout_rng: Optional[torch.Tensor] = None
+                      dropout_p: float = 0.0, dropout_rng: Optional[torch.Tensor] = None,
+                      varlen_q_rows: Optional[torch.Tensor] = None, varlen_k_rows: Optional[torch.Tensor] = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output and lse. `deterministic` only concerns the backward on CUDA (where dQ
     is otherwise accumulated with atomics); the CPU backward is always deterministic. The
     variants (window, softcap, ALiBi, dropout) have flash-attn's semantics, interface.py
-    validates them; `dropout_rng` is the (2,) int64 [seed, offset] on q's device (rng.py)."""
+    validates them; `dropout_rng` is the (2,) int64 [seed, offset] on q's device (rng.py).
+    varlen_q_rows / varlen_k_rows pack sequences into the one batch of q/k/v (each row's
+    sequence, kernels/score_mods.py's Varlen; interface.py builds them from checked offsets)."""
     return _forward(q, k, v, mask, scale, causal, (window_left, window_right), softcap, alibi_slopes, dropout_p,
-                    dropout_rng)
+                    dropout_rng, _seqlens((varlen_q_rows, varlen_k_rows)))
 
 
 def _forward(q, k, v, mask, scale, causal, window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-             dropout_rng=None, flex="", flex_captures=None):
+             dropout_rng=None, seqlens=None, flex="", flex_captures=None):
     """The forward; `flex` names traced score/mask programs (register_flex, eager mode only),
     `flex_captures` are their captured tensors."""
     B, H, Lq, _ = q.shape
@@ -163,10 +169,10 @@ def _forward(q, k, v, mask, scale, causal, window=(-1, -1), softcap=0.0, alibi_s
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    spec = spec_for(q, mask, causal, window, softcap, alibi_slopes, dropout_p, flex)
+    spec = spec_for(q, mask, causal, window, softcap, alibi_slopes, dropout_p, flex, seqlens is not None)
     kern = _kernels(spec, q.device)
     mod_args = _mod_args(spec, (B, H, Lq, Lk), mask, window, softcap, alibi_slopes, dropout_p, dropout_rng,
-                         flex_captures)
+                         flex_captures, seqlens)
     from .schedules.host import SPLIT_MAX_Q
 
     if "forward_split" in kern and Lq <= SPLIT_MAX_Q:
@@ -229,7 +235,7 @@ def _scratch(name: str, shape: tuple, dtype, tile_rows: bool = False) -> torch.T
 
 @attention_forward.register_fake
 def _(q, k, v, mask, scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
-      alibi_slopes=None, dropout_p=0.0, dropout_rng=None):
+      alibi_slopes=None, dropout_p=0.0, dropout_rng=None, *seqlens):
     B, H, Lq, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, H, Lq), dtype=torch.float32)
 
@@ -251,16 +257,18 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        mask: Optional[torch.Tensor], scale: float, causal: str,
                        deterministic: bool = False, window_left: int = -1, window_right: int = -1,
                        softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
-                       dropout_p: float = 0.0, dropout_rng: Optional[torch.Tensor] = None
+                       dropout_p: float = 0.0, dropout_rng: Optional[torch.Tensor] = None,
+                       varlen_q_rows: Optional[torch.Tensor] = None, varlen_k_rows: Optional[torch.Tensor] = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v. `dlse` (a gradient flowing into the returned lse) enters through
     dS = P * (dP - delta + dlse): it is folded into delta."""
     return _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic,
-                     (window_left, window_right), softcap, alibi_slopes, dropout_p, dropout_rng)
+                     (window_left, window_right), softcap, alibi_slopes, dropout_p, dropout_rng,
+                     _seqlens((varlen_q_rows, varlen_k_rows)))
 
 
 def _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic, window=(-1, -1), softcap=0.0,
-              alibi_slopes=None, dropout_p=0.0, dropout_rng=None, flex="", flex_captures=None):
+              alibi_slopes=None, dropout_p=0.0, dropout_rng=None, seqlens=None, flex="", flex_captures=None):
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -268,10 +276,10 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic,
         return dq.zero_(), dk.zero_(), dv.zero_()
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    spec = spec_for(q, mask, causal, window, softcap, alibi_slopes, dropout_p, flex)
+    spec = spec_for(q, mask, causal, window, softcap, alibi_slopes, dropout_p, flex, seqlens is not None)
     kern = _kernels(spec, q.device)
     mod_args = _mod_args(spec, (B, H, Lq, Lk), mask, window, softcap, alibi_slopes, dropout_p, dropout_rng,
-                         flex_captures)
+                         flex_captures, seqlens)
     if q.device.type == "cuda":
         _backward_cuda(kern, dout, q, k, v, out, lse, dlse, mod_args, scale, deterministic, dq, dk, dv)
         return dq, dk, dv
@@ -337,31 +345,44 @@ def _backward_cuda(kern, dout, q, k, v, out, lse, dlse, mod_args, scale, determi
 
 @attention_backward.register_fake
 def _(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic=False, window_left=-1, window_right=-1,
-      softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_rng=None):
+      softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_rng=None, *seqlens):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-# window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_rng, flex, flex_captures
-_NO_VARIANT = (-1, -1, 0.0, None, 0.0, None, "", None)
+# window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_rng, seqlens, flex, flex_captures
+_NO_VARIANT = (-1, -1, 0.0, None, 0.0, None, None, "", None)
+_NO_SEQLENS = (None,) * 2  # varlen_q_rows, varlen_k_rows: the operators' arguments
 _NO_GRADS = (None,) * (4 + len(_NO_VARIANT))  # mask, scale, causal, deterministic, variants
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal, deterministic, *variant = inputs
-    window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_rng, flex, flex_captures = (
-        *variant, *_NO_VARIANT[len(variant):])
+def _setup_context(ctx, inputs, output, flex="", flex_captures=None):
+    """Saves what the backward needs; `inputs` are attention_forward's (flex is eager only)."""
+    q, k, v, mask, scale, causal, deterministic, window_left, window_right, softcap, alibi_slopes, dropout_p, \
+        dropout_rng, *seqlens = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask, alibi_slopes, dropout_rng, *(flex_captures or ()))
+    ctx.save_for_backward(q, k, v, out, lse, mask, alibi_slopes, dropout_rng, *seqlens, *(flex_captures or ()))
     ctx.scale, ctx.causal, ctx.deterministic = scale, causal, deterministic
     ctx.window, ctx.softcap, ctx.dropout_p, ctx.flex = (window_left, window_right), softcap, dropout_p, flex
 
 
+def _saved(ctx):
+    """(q, k, v, out, lse, mask, alibi_slopes, dropout_rng, seqlens or None, flex captures)."""
+    *saved, = ctx.saved_tensors
+    n = 8 + len(_NO_SEQLENS)
+    return (*saved[:8], _seqlens(saved[8:n]), saved[n:])
+
+
 def _gradients(ctx, dout, dlse):
-    q, k, v, out, lse, mask, alibi_slopes, dropout_rng = ctx.saved_tensors
+    q, k, v, out, lse, mask, alibi_slopes, dropout_rng, seqlens, _ = _saved(ctx)
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, dlse, mask, ctx.scale, ctx.causal,
                                     ctx.deterministic, *ctx.window, ctx.softcap, alibi_slopes, ctx.dropout_p,
-                                    dropout_rng)
-    return dq, dk, dv, *_NO_GRADS[:-2]
+                                    dropout_rng, *(seqlens or _NO_SEQLENS))
+    return dq, dk, dv, *_NO_GRADS[:-3], *_NO_SEQLENS
+
+
+def _seqlens(saved) -> Optional[list]:
+    """The packed-sequence tensors as `seqlens` (None when there are none)."""
+    return None if saved[0] is None else list(saved)
 
 
 attention_forward.register_autograd(_gradients, setup_context=_setup_context)
@@ -372,19 +393,20 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale, causal, deterministic, *variant):
-        window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_rng, flex, flex_captures = variant
+        window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_rng, seqlens, flex, flex_captures = variant
         out, lse = _forward(q, k, v, mask, scale, causal, (window_left, window_right), softcap, alibi_slopes,
-                            dropout_p, dropout_rng, flex, flex_captures)
-        _setup_context(ctx, (q, k, v, mask, scale, causal, deterministic, *variant), (out, lse))
+                            dropout_p, dropout_rng, seqlens, flex, flex_captures)
+        _setup_context(ctx, (q, k, v, mask, scale, causal, deterministic, *variant[:6], *(seqlens or _NO_SEQLENS)),
+                       (out, lse), flex, flex_captures)
         ctx.set_materialize_grads(False)  # no zero dlse to fold into delta when lse is unused
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, mask, alibi_slopes, dropout_rng, *flex_captures = ctx.saved_tensors
+        q, k, v, out, lse, mask, alibi_slopes, dropout_rng, seqlens, flex_captures = _saved(ctx)
         if dout is None:  # only lse was used
             dout = torch.zeros_like(out)
         dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, mask, ctx.scale, ctx.causal, ctx.deterministic,
-                               ctx.window, ctx.softcap, alibi_slopes, ctx.dropout_p, dropout_rng, ctx.flex,
+                               ctx.window, ctx.softcap, alibi_slopes, ctx.dropout_p, dropout_rng, seqlens, ctx.flex,
                                flex_captures)
         return dq, dk, dv, *_NO_GRADS

@@ -17,7 +17,9 @@ MAX_HEAD_DIM = 256
 # (softcap, then ALiBi) before every mask, so a mask's -inf is final. Each maps to the kernel
 # arguments that carry its runtime values (kernels/score_mods.py declares them in this order).
 VARIANT_ARGS = {"softcap": ("softcap",), "alibi": ("alibi_slopes",), "window": ("window_left", "window_right"),
-                "dropout": ("dropout_p", "dropout_rng")}
+                "dropout": ("dropout_p", "dropout_rng"),
+                # packed sequences (flash_attn_varlen_func): kernels/score_mods.py's Varlen
+                "varlen": ("varlen_q_rows", "varlen_k_rows")}
 VALUE_VARIANTS = ("softcap", "alibi")
 # a flex block mask's kernel arguments (after its mask_mod's captures): the tile map, then the
 # partial and full kv-block counts and lists per query block (torch's BlockMask fields)
@@ -56,6 +58,8 @@ class AttentionSpec:
         roles = tuple(role for role, *_ in self.flex)
         if roles not in ((), ("score",), ("mask",), ("score", "mask")):
             raise ValueError(f"flex must hold a score program, a mask program or both (in that order), got {roles}")
+        if "varlen" in self.variants and (self.mask != "none" or self.flex):
+            raise ValueError("packed sequences (varlen) take no attention mask and no flex programs")
 
     def _modifier_names(self) -> list:
         names = [v for v in self.variants if v in VALUE_VARIANTS] + [f"flex_{r}" for r, *_ in self.flex if r == "score"]
@@ -69,7 +73,8 @@ class AttentionSpec:
         from .kernels.dropout import Dropout
 
         make = {"causal": lambda: sm.Causal(self.causal), "mask": lambda: sm.Mask(self.mask, self.mask_dtype or self.dtype),
-                "softcap": sm.Softcap, "alibi": sm.Alibi, "window": sm.Window, "dropout": Dropout}
+                "softcap": sm.Softcap, "alibi": sm.Alibi, "window": sm.Window, "dropout": Dropout,
+                "varlen": sm.Varlen}
         make.update((f"flex_{role}", (lambda r, p, b: lambda: sm.ScoreProgram(r, p, b))(role, program, block))
                     for role, program, block in self.flex)
         return [make[name]() for name in self._modifier_names()]

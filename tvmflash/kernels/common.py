@@ -66,7 +66,14 @@ class KernelArgs:
 def fast_exp(x):
     """exp(x) for x <= 0 from a degree-6 polynomial and an exponent-bit shift, so loops
     vectorise (LLVM scalarises `exp` into libm calls). x <= -88 (masked scores are -inf)
-    gives exactly 0.0: the exponent field becomes 0. Max relative error ~2e-7."""
+    gives exactly 0.0: the exponent field becomes 0. Max relative error ~2e-7. The argument is
+    bound once (a Let): the polynomial refers to it some twenty times, and a long argument (a
+    score with its modifiers) copied that often made compile times explode."""
+    arg = tirx.Var("exp_arg", F32)
+    return tirx.Let(arg, x, _fast_exp_of(arg))
+
+
+def _fast_exp_of(x):
     x = tirx.max(tirx.min(x, tirx.const(88.0, F32)), tirx.const(-88.0, F32))
     n = tirx.floor(x * tirx.const(LOG2E, F32) + tirx.const(0.5, F32))
     r = x - n * tirx.const(LN2_HI, F32) - n * tirx.const(LN2_LO, F32)

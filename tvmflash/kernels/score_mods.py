@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tvm import tirx
 
@@ -207,6 +207,81 @@ class _BoundAlibi(Alibi):
         return score - self.slopes[ix.b, ix.h] * tirx.abs(row - col)
 
 
+@dataclass(frozen=True)
+class Varlen(ScoreMod):
+    """Packed sequences (flash-attn's varlen): the kernel's one batch holds sequences back to
+    back. A query sees only its own sequence's keys, and the other modifiers see each score in
+    its sequence's coordinates (positions from the sequence's start, its lengths, its index as
+    the batch: `local`), so causal, windows and ALiBi align per sequence.
+
+    Each row carries its sequence, as int32 (rows, 5) tables: a query row's [index, query
+    start, query count, key start, key count], a key row's [index, key start, key count, query
+    start, query count]. So a tile finds its sequences with single loads (no search through
+    the offsets, no chains of dependent loads in every range expression). A tile that spans
+    several sequences visits the keys of all of them, masked; a tile inside one sequence gets
+    the other modifiers' ranges too (ScorePipeline keeps this modifier apart)."""
+
+    is_mask = True
+    arg_names = ("varlen_q_rows", "varlen_k_rows")
+
+    def bind(self, args, shape):
+        return _BoundVarlen(args.tensor("varlen_q_rows", (shape.seqlen_q, 5), "int32"),
+                            args.tensor("varlen_k_rows", (shape.seqlen_k, 5), "int32"), shape)
+
+
+@dataclass(frozen=True)
+class _BoundVarlen(Varlen):
+    q_rows: tirx.Buffer
+    k_rows: tirx.Buffer
+    shape: Shape  # the packed (kernel) shape
+
+    @staticmethod
+    def _field(rows, i, c: int):
+        """Field c of row i (clamped: tile padding reaches past the last row), as int64."""
+        return tirx.Cast("int64", rows[tirx.min(i, rows.shape[0] - 1), c])
+
+    def _shape_of(self, rows, i, queries: bool):
+        """The shape of row i's sequence (rows: which table; queries: whether it is q_rows)."""
+        own, other = self._field(rows, i, 2), self._field(rows, i, 4)
+        lq, lk = (own, other) if queries else (other, own)
+        return Shape(self.shape.batch, self.shape.heads, self.shape.heads_k, lq, lk)
+
+    def local(self, ix: ScoreIndex):
+        """(index, shape) of a score in its query's sequence."""
+        q = lambda c: self._field(self.q_rows, ix.q_idx, c)  # noqa: E731
+        local = ScoreIndex(q(0), ix.h, ix.q_idx - q(1), ix.kv_idx - q(3))
+        return local, self._shape_of(self.q_rows, ix.q_idx, True)
+
+    @staticmethod
+    def keeps(ix: ScoreIndex, shape: Shape):
+        """Whether a local index's key lies in its query's sequence."""
+        return tirx.all(ix.kv_idx >= 0, ix.kv_idx < shape.seqlen_k)
+
+    def tile_local(self, q_lo, q_hi, kv_lo, kv_hi):
+        """(inside, shape, local bounds): inside when the tile's queries and keys all lie in one
+        sequence, whose shape and tile-relative bounds follow."""
+        q = lambda c: self._field(self.q_rows, q_lo, c)  # noqa: E731
+        inside = tirx.all(q(0) == self._field(self.q_rows, q_hi - 1, 0), kv_lo >= q(3), kv_hi <= q(3) + q(4))
+        return inside, self._shape_of(self.q_rows, q_lo, True), (q_lo - q(1), q_hi - q(1), kv_lo - q(3), kv_hi - q(3))
+
+    def kv_range(self, q_lo, q_hi, ranges):
+        """Keys of queries [q_lo, q_hi): their sequences' keys, narrowed by `ranges(lo, hi,
+        shape)` (the other modifiers' local ranges) when the rows lie in one sequence."""
+        return self._narrow(self.q_rows, q_lo, q_hi, ranges, True)
+
+    def q_range(self, kv_lo, kv_hi, ranges):
+        return self._narrow(self.k_rows, kv_lo, kv_hi, ranges, False)
+
+    def _narrow(self, rows, lo, hi, ranges, queries: bool):
+        first = lambda c: self._field(rows, lo, c)  # noqa: E731
+        last = lambda c: self._field(rows, hi - 1, c)  # noqa: E731
+        shape = self._shape_of(rows, lo, queries)
+        local = ScorePipeline._intersect(ranges(lo - first(1), hi - first(1), shape), first(4))
+        one = first(0) == last(0)
+        return (tirx.Select(one, first(3) + local[0], first(3)),
+                tirx.Select(one, first(3) + local[1], last(3) + last(4)))
+
+
 _MATH_TARGET = contextvars.ContextVar("tvmflash_math_target", default="llvm")
 
 
@@ -249,8 +324,8 @@ class _BoundSoftcap(Softcap):
         return self.cap * _tanh(score * self._inverse())
 
     def grad(self, score, ix, shape):
-        t = _tanh(score * self._inverse())
-        return tirx.const(1.0, F32) - t * t
+        t = tirx.Var("tanh", F32)  # bound once: a CPU tanh is a Let (fast_exp), valid in one place only
+        return tirx.Let(t, _tanh(score * self._inverse()), tirx.const(1.0, F32) - t * t)
 
     def _inverse(self):
         """1 / cap: loop-invariant, where a division per score would not be hoisted."""
@@ -468,17 +543,36 @@ class ScorePipeline:
         from .dropout import BoundDropout
 
         self.shape = shape
-        bound = [m.bind(args, shape) for m in mods]
-        # dropout acts on probabilities, not scores: kernels apply it where they have P
+        # with packed sequences the other modifiers' per-batch tensors (ALiBi's slopes) have a
+        # row per sequence
+        packed = any(isinstance(m, Varlen) for m in mods)
+        per_seq = replace(shape, batch=tirx.Var("num_seqs", "int64")) if packed else shape
+        bound = [m.bind(args, shape if isinstance(m, Varlen) else per_seq) for m in mods]
+        # dropout acts on probabilities, not scores: kernels apply it where they have P;
+        # packed sequences change every other modifier's coordinates
         self.dropout = next((m for m in bound if isinstance(m, BoundDropout)), None)
-        self.mods = [m for m in bound if not isinstance(m, BoundDropout)]
+        self.seqs = next((m for m in bound if isinstance(m, _BoundVarlen)), None)
+        self.mods = [m for m in bound if not isinstance(m, (BoundDropout, _BoundVarlen))]
+
+    def _local(self, ix: ScoreIndex):
+        """The index and shape the modifiers see (a packed sequence's own)."""
+        return (ix, self.shape) if self.seqs is None else self.seqs.local(ix)
+
+    def modify(self, score, ix: ScoreIndex, masked: bool = True):
+        """The modifiers (and a packed sequence's bounds) without the kernel's bounds check;
+        `masked=False` applies only those that change values."""
+        local, shape = self._local(ix)
+        for m in self.mods:
+            if masked or not m.is_mask:
+                score = m.apply(score, local, shape)
+        if masked and self.seqs is not None:
+            score = tirx.Select(self.seqs.keeps(local, shape), score, NEG_INF)
+        return score
 
     def __call__(self, score, ix: ScoreIndex, masked: bool = True):
         """Modified score; -inf outside the sequences (tile padding). `masked=False` is for
         tiles known to be unmasked (`tile_unmasked`): masks and bounds are skipped."""
-        for m in self.mods:
-            if masked or not m.is_mask:
-                score = m.apply(score, ix, self.shape)
+        score = self.modify(score, ix, masked)
         if not masked:
             return score
         inside = tirx.all(ix.q_idx < self.shape.seqlen_q, ix.kv_idx < self.shape.seqlen_k)
@@ -500,9 +594,13 @@ class ScorePipeline:
         masked or out of bounds: such tiles may use `masked=False`. `at` lets masks known per
         tile (block masks) answer."""
         conds = [q_hi <= self.shape.seqlen_q, kv_hi <= self.shape.seqlen_k]
+        shape, bounds = self.shape, (q_lo, q_hi, kv_lo, kv_hi)
+        if self.seqs is not None:
+            inside, shape, bounds = self.seqs.tile_local(*bounds)
+            conds.append(inside)
         for m in self.mods:
             if m.is_mask:
-                visible = m.tile_visible(q_lo, q_hi, kv_lo, kv_hi, self.shape)
+                visible = m.tile_visible(*bounds, shape)
                 state = m.tile_state(q_lo, kv_lo, at, self.shape) if visible is None and at is not None else None
                 if visible is None and state is None:
                     return tirx.const(False, "bool")
@@ -538,18 +636,25 @@ class ScorePipeline:
     def grad(self, score, ix: ScoreIndex):
         """d(pipeline)/d(score) by the chain rule through each modifier."""
         total = tirx.const(1.0, F32)
+        local, shape = self._local(ix)
         for m in self.mods:
-            total = total * m.grad(score, ix, self.shape)
-            score = m.apply(score, ix, self.shape)
+            total = total * m.grad(score, local, shape)
+            score = m.apply(score, local, shape)
         return total
 
     def kv_range(self, q_lo, q_hi):
         """Keys [lo, hi) that queries [q_lo, q_hi) can see: the intersection over modifiers."""
-        return self._intersect([m.kv_range(q_lo, q_hi, self.shape) for m in self.mods], self.shape.seqlen_k)
+        ranges = lambda lo, hi, shape: [m.kv_range(lo, hi, shape) for m in self.mods]  # noqa: E731
+        if self.seqs is not None:
+            return self.seqs.kv_range(q_lo, q_hi, ranges)
+        return self._intersect(ranges(q_lo, q_hi, self.shape), self.shape.seqlen_k)
 
     def q_range(self, kv_lo, kv_hi):
         """Queries [lo, hi) that can see keys [kv_lo, kv_hi)."""
-        return self._intersect([m.q_range(kv_lo, kv_hi, self.shape) for m in self.mods], self.shape.seqlen_q)
+        ranges = lambda lo, hi, shape: [m.q_range(lo, hi, shape) for m in self.mods]  # noqa: E731
+        if self.seqs is not None:
+            return self.seqs.q_range(kv_lo, kv_hi, ranges)
+        return self._intersect(ranges(kv_lo, kv_hi, self.shape), self.shape.seqlen_q)
 
     def kv_blocks(self, q_lo, q_hi, block: int):
         """Indices [first, end) of the kv-blocks of `block` keys that queries [q_lo, q_hi)
