@@ -1,7 +1,7 @@
 """Build the CUDA modules scripts/device_check.sh needs into .devcache/ (or $TVMFLASH_CACHE_DIR),
 on any machine with the TVM compiler and nvcc, so the GPU machine needs only TVM's runtime.
 
-    python scripts/device_prebuild.py
+    python scripts/device_prebuild.py [NAME_PART ...]   # only specs whose name holds one of them
 """
 import itertools
 import os
@@ -22,9 +22,10 @@ specs.add(AttentionSpec("float16", 80, causal="bottom_right"))
 for mask, c in itertools.product(["bool", "additive"], ["none", "top_left"]):
     specs.add(AttentionSpec("float16", 64, causal=c, mask=mask))
 sys.path.insert(0, str(ROOT / "tests"))
-from test_cuda import cuda_flex_specs, cuda_variant_specs  # noqa: E402
+from test_cuda import cuda_flex_specs, cuda_variant_specs, cuda_varlen_specs  # noqa: E402
 
 specs.update(cuda_variant_specs())
+specs.update(cuda_varlen_specs())
 specs.update(cuda_flex_specs())
 sys.path.insert(0, str(ROOT / "scripts"))
 from variants_bench import specs as bench_variant_specs  # noqa: E402
@@ -33,6 +34,11 @@ specs.update(bench_variant_specs())
 from flex_bench import specs as flex_bench_specs  # noqa: E402
 
 specs.update(flex_bench_specs())
+from varlen_bench import specs as varlen_bench_specs  # noqa: E402
+
+specs.update(varlen_bench_specs())
+if len(sys.argv) > 1:
+    specs = {s for s in specs if any(part in s.name for part in sys.argv[1:])}
 start = time.time()
 for spec in sorted(specs, key=lambda s: s.name):
     build.build_cached(spec, build.cuda_target("sm_90a"))

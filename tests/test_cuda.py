@@ -373,3 +373,51 @@ def test_cuda_flex_skips_empty_tiles():
     out.backward(torch.randn_like(out))
     assert (lse[:, :, 128:256] == float("-inf")).all() and (out[:, :, 128:256] == 0).all()
     assert lse[:, :, :128].isfinite().all() and (leaves[0].grad[:, :, 128:256] == 0).all()
+
+
+# packed sequences: (dtype, head dim, causal, window_size, alibi, dropout_p)
+CUDA_VARLEN = [(torch.bfloat16, 128, False, (-1, -1), False, 0.0),
+               (torch.bfloat16, 128, True, (-1, -1), False, 0.0),
+               (torch.float16, 64, True, (100, -1), True, 0.0),
+               (torch.float16, 64, False, (-1, -1), False, 0.2)]
+# sequences that straddle the kernels' 64- and 128-row tiles, empty and one-token ones, decode
+CUDA_VARLEN_LENGTHS = [([300, 0, 1, 517, 64], [300, 5, 1, 700, 64]), ([1, 1, 1], [1000, 0, 77])]
+
+
+def cuda_varlen_specs() -> list:
+    """The specs of CUDA_VARLEN (scripts/device_prebuild.py builds them for the device)."""
+    from tvmflash.ops import spec_for
+
+    return [spec_for(torch.empty(1, 1, 1, d, dtype=dtype), None, "bottom_right" if causal else "none",
+                     (window[0], -1 if causal else window[1]), 0.0, torch.ones(1) if alibi else None, dropout_p,
+                     packed=True)
+            for dtype, d, causal, window, alibi, dropout_p in CUDA_VARLEN]
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype,d,causal,window,alibi,dropout_p", CUDA_VARLEN, ids=str)
+@pytest.mark.parametrize("lengths_q,lengths_k", CUDA_VARLEN_LENGTHS, ids=("ragged", "decode"))
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuda_varlen(dtype, d, causal, window, alibi, dropout_p, lengths_q, lengths_k, deterministic):
+    from test_varlen import offsets, per_sequence_reference
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q = torch.randn(sum(lengths_q), 4, d, device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(sum(lengths_k), 2, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    dout = torch.randn_like(q)
+    slopes = torch.rand(len(lengths_q), 4, device="cuda", generator=g) * 0.3 if alibi else None
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    torch.manual_seed(11)
+    out, lse, keep = tvmflash.flash_attn_varlen_func(
+        *leaves, offsets(lengths_q, "cuda"), offsets(lengths_k, "cuda"), max(lengths_q), max(lengths_k),
+        dropout_p=dropout_p, causal=causal, window_size=window, alibi_slopes=slopes, deterministic=deterministic,
+        return_attn_probs=True)
+    out.backward(dout)
+    variant = dict(window=(window[0], 0 if causal else window[1]), alibi_slopes=slopes)
+    refs = [per_sequence_reference(q, k, v, dout, lengths_q, lengths_k, t, causal, keep, dropout_p, **variant)
+            for t in (torch.float64, dtype)]
+    _check_close("out", out, refs[0][0], refs[1][0])
+    fin = refs[0][1].isfinite()
+    assert torch.equal(lse.isfinite(), fin) and (lse[fin].double() - refs[0][1][fin]).abs().max() < 1e-3
+    for name, a, r, lo in zip(("dq", "dk", "dv"), (x.grad for x in leaves), refs[0][2], refs[1][2]):
+        _check_close(f"{name} (deterministic={deterministic})", a, r, lo)

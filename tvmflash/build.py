@@ -156,11 +156,13 @@ def build_module(spec: AttentionSpec, target: dict, knobs: dict | None = None, o
 
 def _build_cpu(spec: AttentionSpec, target: dict, knobs: dict | None = None, only: tuple | None = None):
     tvm = _tvm()
+    from .kernels.common import long_scores
     from .schedules import cpu_schedule
 
     schedule = cpu_schedule(target)
     knobs = {**schedule.DEFAULTS, **tuned_knobs(_tuning_kind(target), spec), **(knobs or {})}
-    funcs = {name: f for name, f in schedule.kernels(spec, target, knobs).items() if only is None or name in only}
+    with long_scores("varlen" in spec.variants):
+        funcs = {name: f for name, f in schedule.kernels(spec, target, knobs).items() if only is None or name in only}
     sch = tvm.s_tir.Schedule(tvm.IRModule(funcs))
     for kernel in funcs:
         schedule.schedule(sch, kernel, target, knobs)

@@ -7,6 +7,8 @@ batch, head count and sequence lengths, and tensors above 2**31 elements index c
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from dataclasses import dataclass
 
@@ -63,14 +65,38 @@ class KernelArgs:
         return irb.arg(name, tirx.Var(name, dtype))
 
 
+_BIND_ONCE = contextvars.ContextVar("tvmflash_bind_once", default=False)
+
+
+@contextlib.contextmanager
+def long_scores(enabled: bool = True):
+    """Kernels generated inside bind values that expressions repeat (`bind_once`): for specs
+    whose scores are long expressions (packed sequences look up each row's sequence), where
+    fast_exp's ~20 copies of its argument made a compile take minutes (a varlen backward: 80 s,
+    2 s bound). Off elsewhere: in TVM 0.27 the bound form gave NaN gradients in the AMX
+    backward with an additive mask."""
+    token = _BIND_ONCE.set(enabled)
+    try:
+        yield
+    finally:
+        _BIND_ONCE.reset(token)
+
+
+def bind_once(value, body, dtype: str = F32, name: str = "bound"):
+    """body(v) for v = value: v is a Let variable under `long_scores`, else `value` itself
+    (inlined at each use)."""
+    if not _BIND_ONCE.get():
+        return body(value)
+    var = tirx.Var(name, dtype)
+    return tirx.Let(var, value, body(var))
+
+
 def fast_exp(x):
     """exp(x) for x <= 0 from a degree-6 polynomial and an exponent-bit shift, so loops
     vectorise (LLVM scalarises `exp` into libm calls). x <= -88 (masked scores are -inf)
-    gives exactly 0.0: the exponent field becomes 0. Max relative error ~2e-7. The argument is
-    bound once (a Let): the polynomial refers to it some twenty times, and a long argument (a
-    score with its modifiers) copied that often made compile times explode."""
-    arg = tirx.Var("exp_arg", F32)
-    return tirx.Let(arg, x, _fast_exp_of(arg))
+    gives exactly 0.0: the exponent field becomes 0. Max relative error ~2e-7. The polynomial
+    refers to x some twenty times (see `long_scores`)."""
+    return bind_once(x, _fast_exp_of, name="exp_arg")
 
 
 def _fast_exp_of(x):

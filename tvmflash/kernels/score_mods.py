@@ -22,7 +22,7 @@ from tvm import tirx
 
 import math
 
-from .common import F32, LOG2E, NEG_INF, KernelArgs, Shape, fast_exp
+from .common import F32, LOG2E, NEG_INF, KernelArgs, Shape, bind_once, fast_exp
 from ..spec import BLOCK_MASK_ARGS
 from .program import derivative, kind_of
 
@@ -324,8 +324,7 @@ class _BoundSoftcap(Softcap):
         return self.cap * _tanh(score * self._inverse())
 
     def grad(self, score, ix, shape):
-        t = tirx.Var("tanh", F32)  # bound once: a CPU tanh is a Let (fast_exp), valid in one place only
-        return tirx.Let(t, _tanh(score * self._inverse()), tirx.const(1.0, F32) - t * t)
+        return bind_once(_tanh(score * self._inverse()), lambda t: tirx.const(1.0, F32) - t * t, name="tanh")
 
     def _inverse(self):
         """1 / cap: loop-invariant, where a division per score would not be hoisted."""
