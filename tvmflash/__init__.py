@@ -13,7 +13,7 @@ from ._paths import import_schedules
 from .flex import BlockMask, create_block_mask, flex_attention
 from .interface import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                         flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
-                        merge_attention_states, scaled_dot_product_attention)
+                        flash_attn_with_kvcache, merge_attention_states, scaled_dot_product_attention)
 from .spec import AttentionSpec
 
 import_schedules()  # schedules/ lives beside the package in a checkout, inside it in a wheel
@@ -21,5 +21,5 @@ import_schedules()  # schedules/ lives beside the package in a checkout, inside 
 __version__ = "0.1.0"
 __all__ = ["AttentionSpec", "BlockMask", "create_block_mask", "flash_attn_func", "flash_attn_kvpacked_func",
            "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
-           "flash_attn_varlen_qkvpacked_func", "flex_attention", "merge_attention_states",
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache", "flex_attention", "merge_attention_states",
            "scaled_dot_product_attention"]

@@ -378,3 +378,145 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     weight_a, weight_b = (torch.where(seen, x - lse, float("-inf")).exp().unsqueeze(-1) for x in (lse_a, lse_b))
     out = (weight_a * out_a.float() + weight_b * out_b.float()).to(out_a.dtype)
     return out, lse
+
+
+def _rotate(x, cos, sin, positions, interleaved: bool):
+    """Rotary embedding of x (B, L, H, D) at `positions` (B, L): the first 2 * cos.shape[1] dims
+    rotate, as pairs (2i, 2i + 1) when `interleaved` (GPT-J), else halves (GPT-NeoX); in fp32."""
+    half = cos.shape[1]
+    c, s = (t.float()[positions].unsqueeze(2) for t in (cos, sin))  # (B, L, 1, half)
+    part = x[..., :2 * half].float()
+    if interleaved:
+        a, b = part[..., 0::2], part[..., 1::2]
+        turned = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+    else:
+        a, b = part[..., :half], part[..., half:]
+        turned = torch.cat((a * c - b * s, a * s + b * c), dim=-1)
+    return torch.cat((turned.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def _check_index_vector(name: str, x, batch: int, device):
+    """An int32 (batch,) tensor as a host list, or None."""
+    if x is None:
+        return None
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(x).__name__}")
+    if x.dtype != torch.int32 or tuple(x.shape) != (batch,):
+        raise ValueError(f"{name} must be int32 of shape (batch,) = ({batch},), got {x.dtype} {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but q is on {device}")
+    return x.tolist()
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash_attn.flash_attn_with_kvcache (inference: no gradients). q (B, Lq, H, D) attends to
+    keys [cache_leftpad[b], cache_seqlens[b] + Lnew) of its cache; the new k, v (B, Lnew, Hk, D),
+    if given, are first written into the caches in place at cache_seqlens[b] ... (after rotary).
+
+    Caches: (B_cache, Lc, Hk, D) with `cache_batch_idx` (int32 (B,)) choosing each batch's row,
+    or paged, (num_blocks, page_size, Hk, D) with `block_table` (int32 (B, max_blocks)) listing
+    each sequence's pages in order (page_size a multiple of 16). `cache_seqlens`: int or int32
+    (B,) (None: the whole cache). Rotary (`rotary_cos`/`rotary_sin`, (Lro, rotary_dim / 2)):
+    the new keys at positions cache_seqlens + i, q at cache_seqlens + i when causal or windowed,
+    else all at cache_seqlens; interleaved pairs or halves (`rotary_interleaved`). causal aligns
+    q's last row with the last key. Returns out (B, Lq, H, D), and lse (B, H, Lq) with
+    `return_softmax_lse`. `num_splits` (0 = automatic) is accepted for compatibility: the CPU
+    decode path splits the keys itself.
+
+    This version appends and rotates in torch and gathers each sequence's keys into one packed
+    tensor for the varlen kernels (a copy of the used cache per call): correct, not yet the
+    bandwidth-bound decode kernel that reads pages in place."""
+    _check_tensor("q", q, 4, " (batch, seqlen_q, nheads, head_dim)")
+    B, Lq, H, D = q.shape
+    paged = block_table is not None
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, x, 4, " (num_blocks, page_size, nheads_k, head_dim)" if paged
+                      else " (batch_cache, seqlen_cache, nheads_k, head_dim)")
+        if x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(f"{name} must match q's dtype and device ({q.dtype}, {q.device}), got {x.dtype}, {x.device}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: automatic), got {num_splits!r}")
+    if paged:
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
+                or block_table.shape[0] != B or block_table.device != q.device:
+            raise ValueError(f"block_table must be an int32 (batch, max_blocks) tensor on q's device, batch = {B}")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx does not apply to a paged cache (block_table picks the pages)")
+        page = k_cache.shape[1]
+        if page % 16:
+            raise ValueError(f"the page size (k_cache.shape[1]) must be a multiple of 16, got {page}")
+        pages = block_table.tolist()
+        if any(not 0 <= p < k_cache.shape[0] for row in pages for p in row):
+            raise ValueError(f"block_table holds a page outside k_cache's {k_cache.shape[0]} pages")
+        capacity = block_table.shape[1] * page
+    else:
+        capacity = k_cache.shape[1]
+    rows = _check_index_vector("cache_batch_idx", cache_batch_idx, B, q.device) or list(range(B))
+    if any(not 0 <= r < k_cache.shape[0] for r in rows):
+        raise ValueError(f"cache_batch_idx must index k_cache's {k_cache.shape[0]} rows, got {rows}")
+    if cache_seqlens is None:
+        seqlens = [capacity] * B
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        seqlens = [cache_seqlens] * B
+    else:
+        seqlens = _check_index_vector("cache_seqlens", cache_seqlens, B, q.device)
+    leftpad = _check_index_vector("cache_leftpad", cache_leftpad, B, q.device) or [0] * B
+    if (k is None) != (v is None):
+        raise ValueError("k and v (the new tokens) must be given together")
+    new = 0
+    if k is not None:
+        for name, x in (("k", k), ("v", v)):
+            _check_tensor(name, x, 4, " (batch, seqlen_new, nheads_k, head_dim)")
+            if x.shape[0] != B or x.shape[2:] != k_cache.shape[2:] or x.dtype != q.dtype or x.device != q.device:
+                raise ValueError(f"{name} must be (batch, seqlen_new, nheads_k, head_dim) = ({B}, *, "
+                                 f"{k_cache.shape[2]}, {k_cache.shape[3]}) in q's dtype and device, got {tuple(x.shape)}")
+        if v.shape != k.shape:
+            raise ValueError(f"v has shape {tuple(v.shape)} but k has {tuple(k.shape)}")
+        new = k.shape[1]
+    ends = [s + new for s in seqlens]
+    for b in range(B):
+        if not 0 <= leftpad[b] <= seqlens[b] or ends[b] > capacity:
+            raise ValueError(f"batch {b}: need 0 <= cache_leftpad ({leftpad[b]}) <= cache_seqlens ({seqlens[b]}) "
+                             f"and cache_seqlens + new tokens ({ends[b]}) <= the cache's {capacity} rows")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    positions = torch.tensor(seqlens, dtype=torch.int64, device=q.device)[:, None]
+    with torch.no_grad():
+        if rotary_cos is not None:
+            if rotary_cos.dim() != 2 or rotary_cos.shape != rotary_sin.shape or 2 * rotary_cos.shape[1] > D:
+                raise ValueError(f"rotary_cos/rotary_sin must be (seqlen_ro, rotary_dim / 2) with rotary_dim <= "
+                                 f"head_dim ({D}), got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+            steps = torch.arange(max(Lq, new), device=q.device)
+            q_pos = positions + steps[:Lq] if causal or tuple(window_size) != (-1, -1) else positions.expand(B, Lq)
+            if max(ends + [int(q_pos.max()) + 1 if Lq else 0]) > rotary_cos.shape[0]:
+                raise ValueError(f"rotary_cos has {rotary_cos.shape[0]} positions; the cache reaches {max(ends)}")
+            q = _rotate(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
+            if k is not None:
+                k = _rotate(k, rotary_cos, rotary_sin, positions + steps[:new], rotary_interleaved)
+        if new:  # append in place
+            at = positions + torch.arange(new, device=q.device)  # (B, new) absolute positions
+            if paged:
+                where = (block_table.long().gather(1, at // page), at % page)
+            else:
+                where = (torch.tensor(rows, device=q.device)[:, None].expand(B, new), at)
+            k_cache[where] = k
+            v_cache[where] = v
+
+        def used(cache, b):  # sequence b's keys [leftpad, end)
+            if paged:
+                return cache[block_table[b, :-(-ends[b] // page)].long()].flatten(0, 1)[leftpad[b]:ends[b]]
+            return cache[rows[b], leftpad[b]:ends[b]]
+        keys, values = (torch.cat([used(c, b) for b in range(B)]) for c in (k_cache, v_cache))
+        lengths_k = [e - p for e, p in zip(ends, leftpad)]
+        cu_q = torch.arange(0, (B + 1) * Lq, Lq, dtype=torch.int32, device=q.device)
+        cu_k = torch.tensor([0] + [sum(lengths_k[:b + 1]) for b in range(B)], dtype=torch.int32, device=q.device)
+        out, lse, _ = flash_attn_varlen_func(q.reshape(B * Lq, H, D), keys, values, cu_q, cu_k, Lq, max(lengths_k),
+                                             softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                             softcap=softcap, alibi_slopes=alibi_slopes, return_attn_probs=True)
+    out = out.view(B, Lq, H, D)
+    return (out, lse.view(H, B, Lq).transpose(0, 1)) if return_softmax_lse else out

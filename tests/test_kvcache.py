@@ -1,0 +1,142 @@
+"""flash_attn_with_kvcache against a float64 per-batch reference: contiguous caches with shuffled
+cache_batch_idx and left padding, paged caches (16- and 48-token pages) with shuffled block
+tables, appends at different positions per batch, rotary interleaved and not, GQA, causal with
+Lq > 1, windows; the caches' contents after the append; validation."""
+import pytest
+import torch
+
+import tvmflash
+from reference import attention
+from test_attention import FLOOR
+
+H, HK, D = 4, 2, 32
+
+
+def rotate_reference(x, cos, sin, positions, interleaved):
+    """Rotary as complex multiplication, one (batch, row) at a time, in float64."""
+    out = x.double().clone()
+    half = cos.shape[1]
+    for b in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            p = int(positions[b][i])
+            turn = torch.complex(cos[p].double(), sin[p].double())
+            if interleaved:
+                z = torch.complex(out[b, i, :, 0:2 * half:2], out[b, i, :, 1:2 * half:2]) * turn
+                out[b, i, :, 0:2 * half:2], out[b, i, :, 1:2 * half:2] = z.real, z.imag
+            else:
+                z = torch.complex(out[b, i, :, :half], out[b, i, :, half:2 * half]) * turn
+                out[b, i, :, :half], out[b, i, :, half:2 * half] = z.real, z.imag
+    return out
+
+
+def logical_cache(cache, b, rows, block_table, page):
+    """Sequence b's whole cache (capacity, Hk, D) in logical order."""
+    if block_table is None:
+        return cache[rows[b]]
+    return torch.cat([cache[p] for p in block_table[b].tolist()])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged16", "paged48"])
+@pytest.mark.parametrize("causal,window,rotary", [(False, (-1, -1), None), (True, (-1, -1), "interleaved"),
+                                                  (True, (5, -1), "halves"), (False, (-1, -1), "halves")])
+@pytest.mark.parametrize("lq,new", [(1, 1), (3, 3), (4, 0)])
+def test_kvcache(layout, causal, window, rotary, lq, new):
+    g = torch.Generator().manual_seed(lq * 7 + new)
+    B, capacity = 3, 96
+    q = torch.randn(B, lq, H, D, generator=g)
+    seqlens = torch.tensor([10, 0, 57], dtype=torch.int32) if new else torch.tensor([10, 1, 57], dtype=torch.int32)
+    leftpad = None
+    block_table, rows, page = None, list(range(B)), None
+    if layout == "contiguous":
+        k_cache = torch.randn(B + 1, capacity, HK, D, generator=g)
+        rows = [2, 0, 3]
+        cache_batch_idx = torch.tensor(rows, dtype=torch.int32)
+        leftpad = torch.tensor([3, 0, 20], dtype=torch.int32)
+    else:
+        page = int(layout[5:])
+        per_seq = capacity // page
+        k_cache = torch.randn(B * per_seq + 2, page, HK, D, generator=g)
+        perm = torch.randperm(B * per_seq + 2, generator=g)[:B * per_seq]
+        block_table = perm.view(B, per_seq).to(torch.int32)
+        cache_batch_idx = None
+    v_cache = torch.randn(k_cache.shape, generator=g)
+    k_new = torch.randn(B, new, HK, D, generator=g) if new else None
+    v_new = torch.randn(B, new, HK, D, generator=g) if new else None
+    cos = sin = None
+    if rotary:
+        angles = torch.rand(capacity + 8, D // 4, generator=g) * 6.28
+        cos, sin = angles.cos(), angles.sin()
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+
+    out, lse = tvmflash.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=leftpad, block_table=block_table, causal=causal,
+        window_size=window, rotary_interleaved=rotary == "interleaved", return_softmax_lse=True)
+    assert out.shape == q.shape and lse.shape == (B, H, lq)
+
+    pos = seqlens.long()[:, None]
+    if rotary:
+        k_rot = rotate_reference(k_new, cos, sin, pos + torch.arange(new), rotary == "interleaved") if new else None
+        q_pos = pos + torch.arange(lq) if causal or window != (-1, -1) else pos.expand(B, lq)
+        q_ref = rotate_reference(q, cos, sin, q_pos, rotary == "interleaved")
+    else:
+        k_rot, q_ref = (k_new.double() if new else None), q.double()
+    pad = leftpad.tolist() if leftpad is not None else [0] * B
+    for b in range(B):
+        end = int(seqlens[b]) + new
+        ks, vs = logical_cache(k_cache, b, rows, block_table, page), logical_cache(v_cache, b, rows, block_table, page)
+        ks0, vs0 = (logical_cache(c, b, rows, block_table, page) for c in (before_k, before_v))
+        # the append: the new rows (rotated) at seqlens[b] ..., everything else untouched
+        if new:
+            torch.testing.assert_close(ks[seqlens[b]:end].double(), k_rot[b], atol=1e-5, rtol=0)
+            torch.testing.assert_close(vs[seqlens[b]:end], v_new[b], atol=0, rtol=0)
+        keep = torch.ones(ks.shape[0], dtype=torch.bool)
+        keep[seqlens[b]:end] = False
+        assert torch.equal(ks[keep], ks0[keep]) and torch.equal(vs[keep], vs0[keep])
+        kb, vb = ks[pad[b]:end].double(), vs[pad[b]:end].double()
+        ref, ref_lse = attention(q_ref[b].transpose(0, 1)[None], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None],
+                                 causal="bottom_right" if causal else "none",
+                                 window=(window[0], 0 if causal else window[1]))
+        torch.testing.assert_close(out[b].double(), ref[0].transpose(0, 1), atol=2e-5, rtol=0)
+        fin = ref_lse[0].isfinite()
+        assert torch.equal(lse[b].isfinite(), fin)
+        torch.testing.assert_close(lse[b][fin].double(), ref_lse[0][fin], atol=1e-4, rtol=0)
+    # other cache rows (contiguous) are never written
+    if layout == "contiguous":
+        assert torch.equal(k_cache[1], before_k[1])
+
+
+def test_kvcache_bf16_matches_the_dense_function():
+    """Without new tokens and with the whole cache, the result is flash_attn_func's."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 5, H, 64, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(2, 40, HK, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    out = tvmflash.flash_attn_with_kvcache(q, k, v, causal=True)
+    torch.testing.assert_close(out, tvmflash.flash_attn_func(q, k, v, causal=True), atol=FLOOR[torch.bfloat16],
+                               rtol=0)
+
+
+def test_kvcache_validation():
+    q = torch.zeros(2, 1, H, D)
+    cache = torch.zeros(2, 32, HK, D)
+    seqlens = torch.tensor([4, 5], dtype=torch.int32)
+    new = torch.zeros(2, 1, HK, D)
+    with pytest.raises(ValueError, match="must be given together"):
+        tvmflash.flash_attn_with_kvcache(q, cache, cache.clone(), k=new)
+    with pytest.raises(ValueError, match=r"<= the cache's 32 rows"):
+        tvmflash.flash_attn_with_kvcache(q, cache, cache.clone(), new, new, cache_seqlens=32)
+    with pytest.raises(ValueError, match="cache_seqlens must be int32"):
+        tvmflash.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=seqlens.long())
+    with pytest.raises(ValueError, match="page size .* multiple of 16"):
+        tvmflash.flash_attn_with_kvcache(q, torch.zeros(4, 24, HK, D), torch.zeros(4, 24, HK, D),
+                                         block_table=torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="outside k_cache's 4 pages"):
+        tvmflash.flash_attn_with_kvcache(q, torch.zeros(4, 16, HK, D), torch.zeros(4, 16, HK, D),
+                                         block_table=torch.tensor([[0], [4]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cache_batch_idx must index"):
+        tvmflash.flash_attn_with_kvcache(q, cache, cache.clone(), cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="rotary_cos has 5 positions"):
+        tvmflash.flash_attn_with_kvcache(q, cache, cache.clone(), new, new, cache_seqlens=seqlens,
+                                         rotary_cos=torch.ones(5, 4), rotary_sin=torch.zeros(5, 4))
+    with pytest.raises(ValueError, match="num_splits"):
+        tvmflash.flash_attn_with_kvcache(q, cache, cache.clone(), num_splits=-1)
