@@ -56,8 +56,8 @@ def main(out_dir: Path) -> None:
                 tvmflash.flash_attn_func(q[None, a:b], k[None, a:b], v[None, a:b], causal=causal)[0]
                 for a, b in pieces]),
             "torch SDPA per sequence": lambda q, k, v: torch.cat([
-                F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in (q, k, v)),
-                                               is_causal=causal).transpose(0, 1) for a, b in pieces]),
+                F.scaled_dot_product_attention(*(x[None, a:b].transpose(1, 2) for x in (q, k, v)),
+                                               is_causal=causal)[0].transpose(0, 1) for a, b in pieces]),
         }
         fns, ms = {}, 0.0
         for label, attn in calls.items():
