@@ -34,7 +34,7 @@ from tvmflash.kernels.score_mods import TileAt
 from tvmflash.spec import AttentionSpec
 
 from .cuda_mma import (PAD, batch_and_head, copy_rows, dropout_rows, load_a, load_b, load_b_trans, mma_16x16,
-                       mma_op, rescale_rows, smem_scope, softmax_tile, store_output, to_a_fragments)
+                       mma_op, rescale_rows, smem_scope, load_row_values, row_values_size, softmax_tile, store_output, to_a_fragments)
 
 DEFAULTS = {"block_m": 128, "block_n": 64, "q_in_registers": 1, "warp_m_tiles": 1, "stages": 2}
 
@@ -98,6 +98,9 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         p = T.alloc_local([MT * NS * 4], dt)
         o = T.alloc_local([MT * ND * 4], F32)
         m = T.alloc_local([MT * 2], F32)  # running max (log2 units) of rows g and g + 8 per m-tile
+        rowv = T.alloc_local([row_values_size(score, MT)], "int32")  # the rows' values (packed sequences)
+        if score.row_values > 0:
+            load_row_values(rowv, score, MT, q0 + row0, lane)
         l = T.alloc_local([MT * 2], F32)  # running partial sum of this lane's columns
         mx = T.alloc_local([1], F32)
         alpha = T.alloc_local([MT * 2], F32)
@@ -139,9 +142,9 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                         mma_16x16(MMA, s, (mt * NS + nn * 2) * 4, qf, q_frag(mt, kk), kb, 0)
             # online softmax; masks and bounds only on tiles that need them
             if score.tile_unmasked(q0, T.min(q0 + BM, LQ), k0, k0 + BN, at):
-                softmax_tile(s, m, l, mx, alpha, MT, NS, score, scale, b, h, q0 + row0, k0, lane, False)
+                softmax_tile(s, m, l, mx, alpha, MT, NS, score, scale, b, h, q0 + row0, k0, lane, False, rowv)
             else:
-                softmax_tile(s, m, l, mx, alpha, MT, NS, score, scale, b, h, q0 + row0, k0, lane, True)
+                softmax_tile(s, m, l, mx, alpha, MT, NS, score, scale, b, h, q0 + row0, k0, lane, True, rowv)
             if score.dropout is not None:  # l has the undropped P; O takes P Z
                 dropout_rows(s, score.dropout, MT, NS, b, h, q0 + row0, k0, lane, False)
             to_a_fragments(s, p, MT * NS * 4)

@@ -146,21 +146,45 @@ def warp_gemm_rn(op, acc, a, bf, pool, b_row, b_col, n16, k16, lane):
         mma_16x16(op, acc, i % n16 * 8, a, i // n16 * 4, bf, i % 2 * 4)
 
 
+def row_index(b, h, row, col, rowv, base, n_row: int) -> ScoreIndex:
+    """The ScoreIndex of (row, col), with the row's values from the registers rowv[base:]."""
+    return ScoreIndex(b, h, row, col, tuple(rowv[base + c] for c in range(n_row)) if n_row else None)
+
+
+def row_values_size(score, n_mt: int) -> int:
+    """Registers for the row values (score.row_values) of a lane's 2 * n_mt rows (>= 1)."""
+    return max(score.row_values * n_mt * 2, 1)
+
+
 @T.inline
-def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, b, h, q_row0, k0, lane, masked):
+def load_row_values(rowv, score, n_mt, q_row0, lane):
+    """The row values of this lane's rows (g and g + 8 of each m-tile), once per query tile:
+    inside the kv loop they would be reloaded per tile (loads do not move across its asm
+    barriers)."""
+    for mt in T.unroll(n_mt):
+        for hh in T.unroll(2):
+            for c in T.unroll(score.row_values):
+                rowv[(mt * 2 + hh) * score.row_values + c] = score.row_value(q_row0 + mt * 16 + lane // 4 + hh * 8, c)
+
+
+@T.inline
+def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, b, h, q_row0, k0, lane, masked, rowv):
     """One K/V tile of the forward's online softmax on accumulator fragments: n_mt m-tiles of
     16 rows starting at query row q_row0, ns n8 tiles of scores S (k0: the tile's first key).
     Scores go to the exp2 domain; m is the running max and l this lane's partial row sum (two
     rows per m-tile: g and g + 8, shared by the 4 lanes of a quad). Leaves P = exp2(S - m) in s
-    and the factor the output rows must be rescaled by in alpha."""
+    and the factor the output rows must be rescaled by in alpha. `rowv`: the rows' values
+    (load_row_values), which the scores take from registers."""
+    n_row = T.meta_var(score.row_values if masked or score.changes_values else 0)
     for mt in T.unroll(n_mt):
         for hh in T.unroll(2):
             mx[0] = m[mt * 2 + hh]
+            row = T.meta_var(q_row0 + mt * 16 + lane // 4 + hh * 8)
             for nt in T.unroll(ns):
                 for e in T.unroll(2):
                     idx = T.meta_var((mt * ns + nt) * 4 + hh * 2 + e)
-                    ix = T.meta_var(ScoreIndex(b, h, q_row0 + mt * 16 + lane // 4 + hh * 8,
-                                               k0 + nt * 8 + lane % 4 * 2 + e))
+                    ix = T.meta_var(row_index(b, h, row, k0 + nt * 8 + lane % 4 * 2 + e, rowv, (mt * 2 + hh) * n_row,
+                                              n_row))
                     if masked or score.changes_values:
                         s[idx] = score(s[idx] * scale, ix, masked) * T.float32(LOG2E)
                     else:

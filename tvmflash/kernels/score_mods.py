@@ -39,12 +39,15 @@ class TileAt:
 
 @dataclass(frozen=True)
 class ScoreIndex:
-    """Where a score sits: batch, query head, absolute query row and key row (int64 exprs)."""
+    """Where a score sits: batch, query head, absolute query row and key row (int64 exprs).
+    `row`: the query row's values that `ScorePipeline.row_values` asked for, where the kernel
+    loaded them once per row (into registers) instead of once per score."""
 
     b: tirx.PrimExpr
     h: tirx.PrimExpr
     q_idx: tirx.PrimExpr
     kv_idx: tirx.PrimExpr
+    row: tuple | None = None
 
 
 class ScoreMod:
@@ -246,11 +249,20 @@ class _BoundVarlen(Varlen):
         lq, lk = (own, other) if queries else (other, own)
         return Shape(self.shape.batch, self.shape.heads, self.shape.heads_k, lq, lk)
 
+    ROW_VALUES = 5
+
+    def row_value(self, q_idx, c):
+        """The query row's table field c (an int32 load), for kernels to load once per row."""
+        return self.q_rows[tirx.min(q_idx, self.q_rows.shape[0] - 1), c]
+
     def local(self, ix: ScoreIndex):
         """(index, shape) of a score in its query's sequence."""
-        q = lambda c: self._field(self.q_rows, ix.q_idx, c)  # noqa: E731
+        if ix.row is not None:
+            q = lambda c: tirx.Cast("int64", ix.row[c])  # noqa: E731
+        else:
+            q = lambda c: self._field(self.q_rows, ix.q_idx, c)  # noqa: E731
         local = ScoreIndex(q(0), ix.h, ix.q_idx - q(1), ix.kv_idx - q(3))
-        return local, self._shape_of(self.q_rows, ix.q_idx, True)
+        return local, Shape(self.shape.batch, self.shape.heads, self.shape.heads_k, q(2), q(4))
 
     @staticmethod
     def keeps(ix: ScoreIndex, shape: Shape):
@@ -552,6 +564,16 @@ class ScorePipeline:
         self.dropout = next((m for m in bound if isinstance(m, BoundDropout)), None)
         self.seqs = next((m for m in bound if isinstance(m, _BoundVarlen)), None)
         self.mods = [m for m in bound if not isinstance(m, (BoundDropout, _BoundVarlen))]
+
+    @property
+    def row_values(self) -> int:
+        """How many values of its query row every score needs (a packed sequence's table
+        fields; 0 without): a kernel may load `row_value(q_idx, c)` for c < row_values once
+        per row and pass them as ScoreIndex.row."""
+        return 0 if self.seqs is None else self.seqs.ROW_VALUES
+
+    def row_value(self, q_idx, c):
+        return self.seqs.row_value(q_idx, c)
 
     def _local(self, ix: ScoreIndex):
         """The index and shape the modifiers see (a packed sequence's own)."""
