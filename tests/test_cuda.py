@@ -379,7 +379,8 @@ def test_cuda_flex_skips_empty_tiles():
 CUDA_VARLEN = [(torch.bfloat16, 128, False, (-1, -1), False, 0.0),
                (torch.bfloat16, 128, True, (-1, -1), False, 0.0),
                (torch.float16, 64, True, (100, -1), True, 0.0),
-               (torch.float16, 64, False, (-1, -1), False, 0.2)]
+               (torch.float16, 64, False, (-1, -1), False, 0.2),
+               (torch.float16, 96, True, (-1, -1), False, 0.0)]  # the mma.sync forward (D not a multiple of 64)
 # sequences that straddle the kernels' 64- and 128-row tiles, empty and one-token ones, decode
 CUDA_VARLEN_LENGTHS = [([300, 0, 1, 517, 64], [300, 5, 1, 700, 64]), ([1, 1, 1], [1000, 0, 77])]
 
