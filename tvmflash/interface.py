@@ -7,7 +7,9 @@ autograd differentiates with our own backward kernels. Features whose kernels do
 """
 from __future__ import annotations
 
+import itertools
 import math
+
 import torch
 
 from . import rng
@@ -204,21 +206,20 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
 
 def _flash_attention(qh, kh, vh, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                     deterministic, return_attn_probs, seqlens=None, names=("q", "k", "v")):
+                     deterministic, return_attn_probs, seqlens=None, num_seqs=None, names=("q", "k", "v")):
     """flash-attn's semantics on (B, H, L, D) views: (out view, lse, keep mask or None).
-    `seqlens` (`_packed_rows`: the row tables and the sequence count) packs sequences into B = 1."""
+    `seqlens` (`_packed_rows`' row tables) packs `num_seqs` sequences into B = 1."""
     _check_qkv(qh, kh, vh, names)
     window = _check_window(window_size, causal)
     softcap = _check_softcap(softcap)
-    num_seqs = seqlens[2] if seqlens else None
-    alibi_slopes = _check_alibi(alibi_slopes, qh, num_seqs or qh.shape[0])
-    if alibi_slopes is not None and seqlens:  # a row per sequence
+    alibi_slopes = _check_alibi(alibi_slopes, qh, qh.shape[0] if seqlens is None else num_seqs)
+    if alibi_slopes is not None and seqlens is not None:  # a row per sequence
         alibi_slopes = alibi_slopes.expand(num_seqs, qh.shape[1])
     dropout_p = _check_dropout(dropout_p)
     seed = rng.draw_seed(qh.device) if dropout_p else None
     out, lse = attention(qh, kh, vh, None, _scale(softmax_scale, qh.shape[-1], "softmax_scale"),
                          "bottom_right" if causal else "none", bool(deterministic), *window, softcap, alibi_slopes,
-                         dropout_p, seed, seqlens[:2] if seqlens else None)
+                         dropout_p, seed, seqlens)
     keep = None
     if return_attn_probs and dropout_p:
         keep = rng.keep_mask(*qh.shape[:3], kh.shape[2], dropout_p, seed)
@@ -253,7 +254,7 @@ def _check_stacked(name: str, x, n: int) -> None:
 def _check_cu_seqlens(name: str, cu, total: int, device, max_name: str, max_seqlen) -> list:
     """cu_seqlens: int32 (batch + 1,) on the tensors' device, 0 first, non-decreasing, the
     token count last; `max_seqlen` an int no smaller than the longest sequence. Returns the
-    lengths (reads the offsets to the host: one sync on CUDA)."""
+    offsets as a host list (one sync on CUDA)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -274,21 +275,19 @@ def _check_cu_seqlens(name: str, cu, total: int, device, max_name: str, max_seql
         raise TypeError(f"{max_name} must be an int, got {type(max_seqlen).__name__}")
     if max_seqlen < max(lengths, default=0):
         raise ValueError(f"{max_name} ({max_seqlen}) is below the longest sequence of {name} ({max(lengths)})")
-    return lengths
+    return offsets
 
 
-def _packed_rows(lengths_q: list, lengths_k: list, device) -> list:
-    """The kernels' packed-sequence arguments (kernels/score_mods.py's Varlen): per query row
-    [sequence, query start, query count, key start, key count], per key row [sequence, key
-    start, key count, query start, query count]; then the sequence count."""
-    n = len(lengths_q)
-    starts_q = [sum(lengths_q[:b]) for b in range(n)]
-    starts_k = [sum(lengths_k[:b]) for b in range(n)]
-    seq = torch.tensor([[b, starts_q[b], lengths_q[b], starts_k[b], lengths_k[b]] for b in range(n)],
-                       dtype=torch.int32).reshape(n, 5)
-    rows_q = seq.repeat_interleave(torch.tensor(lengths_q, dtype=torch.int64), dim=0)
-    rows_k = seq[:, [0, 3, 4, 1, 2]].repeat_interleave(torch.tensor(lengths_k, dtype=torch.int64), dim=0)
-    return [rows_q.to(device), rows_k.to(device), n]
+def _packed_rows(offsets_q: list, offsets_k: list, device) -> list:
+    """The kernels' packed-sequence arguments (kernels/score_mods.py's Varlen) from the host
+    offsets: per query row [sequence, query start, query count, key start, key count], per key
+    row [sequence, key start, key count, query start, query count]."""
+    n = len(offsets_q) - 1
+    seq = torch.tensor([[b, offsets_q[b], offsets_q[b + 1] - offsets_q[b], offsets_k[b], offsets_k[b + 1] - offsets_k[b]]
+                        for b in range(n)], dtype=torch.int32).reshape(n, 5)
+    rows_q = seq.repeat_interleave(seq[:, 2].long(), dim=0)
+    rows_k = seq[:, [0, 3, 4, 1, 2]].repeat_interleave(seq[:, 4].long(), dim=0)
+    return [rows_q.to(device), rows_k.to(device)]
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -307,18 +306,25 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise NotImplementedError("flash_attn_varlen_func with a paged cache (block_table) is not supported yet")
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x, 3, " (total_tokens, nheads, head_dim)")
-    lengths_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, "max_seqlen_q", max_seqlen_q)
-    lengths_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device, "max_seqlen_k", max_seqlen_k)
-    if len(lengths_q) != len(lengths_k):
-        raise ValueError(f"cu_seqlens_q has {len(lengths_q) + 1} entries but cu_seqlens_k has {len(lengths_k) + 1}: "
+    offsets_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, "max_seqlen_q", max_seqlen_q)
+    offsets_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device, "max_seqlen_k", max_seqlen_k)
+    if len(offsets_q) != len(offsets_k):
+        raise ValueError(f"cu_seqlens_q has {len(offsets_q)} entries but cu_seqlens_k has {len(offsets_k)}: "
                          "both must be batch + 1 long")
-    seqlens = _packed_rows(lengths_q, lengths_k, q.device)
+    out, lse, keep = _varlen_attention(q, k, v, offsets_q, offsets_k, dropout_p, softmax_scale, causal, window_size,
+                                       softcap, alibi_slopes, deterministic, return_attn_probs)
+    return (out, lse, keep) if return_attn_probs else out
+
+
+def _varlen_attention(q, k, v, offsets_q: list, offsets_k: list, dropout_p, softmax_scale, causal, window_size,
+                      softcap, alibi_slopes, deterministic, return_attn_probs):
+    """Packed sequences given checked host offsets: (out (total_q, H, D), lse (H, total_q),
+    keep (H, total_q, total_k) or None)."""
     as_batch = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731  (T, H, D) -> (1, H, T, D) view
     out, lse, keep = _flash_attention(as_batch(q), as_batch(k), as_batch(v), dropout_p, softmax_scale, causal,
                                       window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-                                      seqlens)
-    out = out[0].transpose(0, 1)
-    return (out, lse[0], None if keep is None else keep[0]) if return_attn_probs else out
+                                      _packed_rows(offsets_q, offsets_k, q.device), len(offsets_q) - 1)
+    return out[0].transpose(0, 1), lse[0], None if keep is None else keep[0]
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -512,11 +518,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 return cache[block_table[b, :-(-ends[b] // page)].long()].flatten(0, 1)[leftpad[b]:ends[b]]
             return cache[rows[b], leftpad[b]:ends[b]]
         keys, values = (torch.cat([used(c, b) for b in range(B)]) for c in (k_cache, v_cache))
-        lengths_k = [e - p for e, p in zip(ends, leftpad)]
-        cu_q = torch.arange(0, (B + 1) * Lq, Lq, dtype=torch.int32, device=q.device)
-        cu_k = torch.tensor([0] + [sum(lengths_k[:b + 1]) for b in range(B)], dtype=torch.int32, device=q.device)
-        out, lse, _ = flash_attn_varlen_func(q.reshape(B * Lq, H, D), keys, values, cu_q, cu_k, Lq, max(lengths_k),
-                                             softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                             softcap=softcap, alibi_slopes=alibi_slopes, return_attn_probs=True)
+        offsets_k = [0, *itertools.accumulate(e - p for e, p in zip(ends, leftpad))]
+        out, lse, _ = _varlen_attention(q.reshape(B * Lq, H, D), keys, values, [b * Lq for b in range(B + 1)],
+                                        offsets_k, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                        False, True)
     out = out.view(B, Lq, H, D)
     return (out, lse.view(H, B, Lq).transpose(0, 1)) if return_softmax_lse else out

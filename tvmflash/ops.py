@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .spec import BLOCK_MASK_ARGS, AttentionSpec
+from .spec import BLOCK_MASK_ARGS, VARIANT_ARGS, AttentionSpec
 
 _TORCH_TO_TVM = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -107,7 +107,7 @@ def _mod_args(spec: AttentionSpec, shape, mask, window, softcap, alibi_slopes, d
     if alibi_slopes is not None:
         values["alibi_slopes"] = alibi_slopes if seqlens else alibi_slopes.expand(B, H)
     values["dropout_p"], values["dropout_rng"] = float(dropout_p), dropout_rng
-    values.update(zip(("varlen_q_rows", "varlen_k_rows"), seqlens or ()))
+    values.update(zip(VARIANT_ARGS["varlen"], seqlens or ()))
     captures = iter(flex_captures or ())
     for role, program, block in spec.flex:
         for k in range(len(program.captures)):
