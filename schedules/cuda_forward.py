@@ -33,8 +33,9 @@ from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.kernels.score_mods import TileAt
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (PAD, batch_and_head, copy_rows, dropout_rows, load_a, load_b, load_b_trans, mma_16x16,
-                       mma_op, rescale_rows, smem_scope, load_row_values, row_values_size, softmax_tile, store_output, to_a_fragments)
+from .cuda_mma import (PAD, batch_and_head, copy_rows, dropout_rows, load_a, load_b, load_b_trans, load_row_values,
+                       mma_16x16, mma_op, query_rows, rescale_rows, row_values_size, smem_scope, softmax_tile,
+                       store_output, to_a_fragments)
 
 DEFAULTS = {"block_m": 128, "block_n": 64, "q_in_registers": 1, "warp_m_tiles": 1, "stages": 2}
 
@@ -99,11 +100,12 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         o = T.alloc_local([MT * ND * 4], F32)
         m = T.alloc_local([MT * 2], F32)  # running max (log2 units) of rows g and g + 8 per m-tile
         rowv = T.alloc_local([row_values_size(score, MT)], "int32")  # the rows' values (packed sequences)
-        if score.row_values > 0:
-            load_row_values(rowv, score, MT, q0 + row0, lane)
         l = T.alloc_local([MT * 2], F32)  # running partial sum of this lane's columns
         mx = T.alloc_local([1], F32)
         alpha = T.alloc_local([MT * 2], F32)
+        if score.row_values > 0:
+            load_row_values(rowv, score, MT, q0 + row0, lane)
+        index = T.meta_var(query_rows(score, b, h, q0 + row0, rowv, lane))
         pw = p.view("uint32")
         q_frag = T.meta_var(lambda mt, kk: (mt * (D // 16) + kk) * 4 if q_regs else mt * 4)
 
@@ -142,9 +144,9 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                         mma_16x16(MMA, s, (mt * NS + nn * 2) * 4, qf, q_frag(mt, kk), kb, 0)
             # online softmax; masks and bounds only on tiles that need them
             if score.tile_unmasked(q0, T.min(q0 + BM, LQ), k0, k0 + BN, at):
-                softmax_tile(s, m, l, mx, alpha, MT, NS, score, scale, b, h, q0 + row0, k0, lane, False, rowv)
+                softmax_tile(s, m, l, mx, alpha, MT, NS, score, scale, index, k0, lane, False)
             else:
-                softmax_tile(s, m, l, mx, alpha, MT, NS, score, scale, b, h, q0 + row0, k0, lane, True, rowv)
+                softmax_tile(s, m, l, mx, alpha, MT, NS, score, scale, index, k0, lane, True)
             if score.dropout is not None:  # l has the undropped P; O takes P Z
                 dropout_rows(s, score.dropout, MT, NS, b, h, q0 + row0, k0, lane, False)
             to_a_fragments(s, p, MT * NS * 4)

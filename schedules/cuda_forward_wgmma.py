@@ -28,8 +28,8 @@ from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.kernels.score_mods import TileAt
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (batch_and_head, dropout_rows, load_row_values, rescale_rows, row_values_size, softmax_tile,
-                       store_output, to_a_fragments)
+from .cuda_mma import (batch_and_head, dropout_rows, load_row_values, query_rows, rescale_rows, row_values_size,
+                       softmax_tile, store_output, to_a_fragments)
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
                          gemm_ss_kmajor, wgmma_op)
 
@@ -95,11 +95,12 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         o = T.alloc_local([ND * 4], F32)
         m = T.alloc_local([2], F32)  # running max (log2 units) of rows g and g + 8
         rowv = T.alloc_local([row_values_size(score, 1)], "int32")  # the rows' values (packed sequences)
-        if score.row_values > 0:
-            load_row_values(rowv, score, 1, q0 + row0, lane)
         l = T.alloc_local([2], F32)  # running partial sum of this lane's columns
         mx = T.alloc_local([1], F32)
         alpha = T.alloc_local([2], F32)
+        if score.row_values > 0:
+            load_row_values(rowv, score, 1, q0 + row0, lane)
+        index = T.meta_var(query_rows(score, b, h, q0 + row0, rowv, lane))
         pw = p.view("uint32")
         # the K/V tiles to visit: a block mask's listed ones (supports() requires tiles that
         # divide its blocks), else the ones the modifiers' ranges leave
@@ -109,9 +110,9 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         def scores_to_p(k0):
             # online softmax of the finished S tile (masks and bounds only where needed)
             if score.tile_unmasked(q0, T.min(q0 + BM, LQ), k0, k0 + BN, TileAt(b, h, (BM, BN))):
-                softmax_tile(s, m, l, mx, alpha, 1, NS, score, scale, b, h, q0 + row0, k0, lane, False, rowv)
+                softmax_tile(s, m, l, mx, alpha, 1, NS, score, scale, index, k0, lane, False)
             else:
-                softmax_tile(s, m, l, mx, alpha, 1, NS, score, scale, b, h, q0 + row0, k0, lane, True, rowv)
+                softmax_tile(s, m, l, mx, alpha, 1, NS, score, scale, index, k0, lane, True)
             if score.dropout is not None:  # l has the undropped P; O takes P Z
                 dropout_rows(s, score.dropout, 1, NS, b, h, q0 + row0, k0, lane, False)
 

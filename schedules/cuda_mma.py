@@ -67,19 +67,26 @@ def advance(walk, cur, nxt):
 
 
 @T.inline
-def copy_rows(pool, pool_row0, src, b, head, row0, nrows, limit, width, tid, nthreads):
-    """nrows x width elements of src[b, head, row0:, :] into pool rows pool_row0.. with
-    `cp.async` (16 bytes a thread); rows at or past `limit` are zero-filled (source size 0)
-    with the source address clamped in bounds."""
+def copy_tile(pool, pool_row0, address, valid, nrows, width, tid, nthreads):
+    """nrows x width elements into pool rows pool_row0.. with `cp.async` (16 bytes a thread):
+    row r's from the pointer address(r, col), which must stay in bounds; rows where valid(r)
+    fails are zero-filled (source size 0)."""
     for it in T.unroll((nrows * width // 8 + nthreads - 1) // nthreads):
         c = T.meta_var(tid + it * nthreads)
         r = T.meta_var(c // (width // 8))
         cc = T.meta_var(c % (width // 8) * 8)
-        row = T.meta_var(row0 + r)
         if nrows * width // 8 % nthreads == 0 or c < nrows * width // 8:
-            T.ptx["cp.async.cg.shared.global"](
-                pool.ptr_to([pool_row0 + r, cc]), src.ptr_to([b, head, T.min(row, limit - 1), cc]),
-                16, T.Select(row < limit, T.uint32(16), T.uint32(0)))
+            T.ptx["cp.async.cg.shared.global"](pool.ptr_to([pool_row0 + r, cc]), address(r, cc), 16,
+                                               T.Select(valid(r), T.uint32(16), T.uint32(0)))
+
+
+@T.inline
+def copy_rows(pool, pool_row0, src, b, head, row0, nrows, limit, width, tid, nthreads):
+    """nrows x width elements of src[b, head, row0:, :] into pool rows pool_row0.. (copy_tile);
+    rows at or past `limit` are zero-filled with the source address clamped in bounds."""
+    address = T.meta_var(lambda r, cc: src.ptr_to([b, head, T.min(row0 + r, limit - 1), cc]))
+    valid = T.meta_var(lambda r: row0 + r < limit)
+    copy_tile(pool, pool_row0, address, valid, nrows, width, tid, nthreads)
 
 
 @T.inline
@@ -146,9 +153,16 @@ def warp_gemm_rn(op, acc, a, bf, pool, b_row, b_col, n16, k16, lane):
         mma_16x16(op, acc, i % n16 * 8, a, i // n16 * 4, bf, i % 2 * 4)
 
 
-def row_index(b, h, row, col, rowv, base, n_row: int) -> ScoreIndex:
-    """The ScoreIndex of (row, col), with the row's values from the registers rowv[base:]."""
-    return ScoreIndex(b, h, row, col, tuple(rowv[base + c] for c in range(n_row)) if n_row else None)
+def query_rows(score, b, h, q_row0, rowv, lane):
+    """softmax_tile's index for query rows q_row0 + 16 mt + lane / 4 + 8 hh of head h, with
+    the rows' values (load_row_values) from the registers rowv."""
+    n = score.row_values
+
+    def index(mt, hh, col):
+        slot = (mt * 2 + hh) * n
+        row = tuple(rowv[slot + c] for c in range(n)) if n else None
+        return ScoreIndex(b, h, q_row0 + mt * 16 + lane // 4 + hh * 8, col, row)
+    return index
 
 
 def row_values_size(score, n_mt: int) -> int:
@@ -168,23 +182,20 @@ def load_row_values(rowv, score, n_mt, q_row0, lane):
 
 
 @T.inline
-def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, b, h, q_row0, k0, lane, masked, rowv):
+def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, masked):
     """One K/V tile of the forward's online softmax on accumulator fragments: n_mt m-tiles of
-    16 rows starting at query row q_row0, ns n8 tiles of scores S (k0: the tile's first key).
-    Scores go to the exp2 domain; m is the running max and l this lane's partial row sum (two
-    rows per m-tile: g and g + 8, shared by the 4 lanes of a quad). Leaves P = exp2(S - m) in s
-    and the factor the output rows must be rescaled by in alpha. `rowv`: the rows' values
-    (load_row_values), which the scores take from registers."""
-    n_row = T.meta_var(score.row_values if masked or score.changes_values else 0)
+    16 rows, ns n8 tiles of scores S (k0: the tile's first key). Scores go to the exp2 domain;
+    m is the running max and l this lane's partial row sum (two rows per m-tile: g and g + 8,
+    shared by the 4 lanes of a quad). Leaves P = exp2(S - m) in s and the factor the output
+    rows must be rescaled by in alpha. index(mt, hh, key): the ScoreIndex of the lane's row g
+    (hh = 0) or g + 8 (hh = 1) of m-tile mt (`query_rows`)."""
     for mt in T.unroll(n_mt):
         for hh in T.unroll(2):
             mx[0] = m[mt * 2 + hh]
-            row = T.meta_var(q_row0 + mt * 16 + lane // 4 + hh * 8)
             for nt in T.unroll(ns):
                 for e in T.unroll(2):
                     idx = T.meta_var((mt * ns + nt) * 4 + hh * 2 + e)
-                    ix = T.meta_var(row_index(b, h, row, k0 + nt * 8 + lane % 4 * 2 + e, rowv, (mt * 2 + hh) * n_row,
-                                              n_row))
+                    ix = T.meta_var(index(mt, hh, k0 + nt * 8 + lane % 4 * 2 + e))
                     if masked or score.changes_values:
                         s[idx] = score(s[idx] * scale, ix, masked) * T.float32(LOG2E)
                     else:

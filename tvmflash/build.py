@@ -39,6 +39,7 @@ CPU_KERNELS = ("forward", "backward_delta", "backward_dkdv", "backward_dq",
 CPU_OPTIONAL_KERNELS = ("forward_pack", "backward_pack", "forward_split", "forward_combine")
 CUDA_KERNELS = ("forward", "backward_prep", "backward_dkdv_dq", "backward_dq_convert", "backward_dkdv",
                 "backward_dq")
+CUDA_DECODE_KERNELS = ("decode", "decode_combine")  # a kv_cache spec's module
 
 _modules: dict = {}
 _lock = threading.Lock()
@@ -105,8 +106,10 @@ def cuda_target_for_device(index: int) -> dict:
     return cuda_target(f"sm_{major}{minor}{'a' if major == 9 else ''}")
 
 
-def kernels_of(target: dict) -> tuple:
-    return CUDA_KERNELS if target["kind"] == "cuda" else CPU_KERNELS
+def kernels_of(spec: AttentionSpec, target: dict) -> tuple:
+    if target["kind"] != "cuda":
+        return CPU_KERNELS
+    return CUDA_DECODE_KERNELS if spec.kv_cache else CUDA_KERNELS
 
 
 def target_label(target: dict) -> str:
@@ -151,6 +154,8 @@ def build_module(spec: AttentionSpec, target: dict, knobs: dict | None = None, o
     of those names (a tuning phase's)."""
     if target["kind"] == "cuda":
         return _build_cuda(spec, target, knobs)
+    if spec.kv_cache:
+        raise ValueError(f"{spec.name}: the in-place KV cache kernels are CUDA only (CPUs gather the cache)")
     return _build_cpu(spec, target, knobs, only)
 
 
@@ -170,10 +175,10 @@ def _build_cpu(spec: AttentionSpec, target: dict, knobs: dict | None = None, onl
 
 
 def cuda_default_knobs(spec: AttentionSpec) -> dict:
-    from .schedules import cuda_backward, cuda_backward_wgmma, cuda_forward, cuda_forward_wgmma
+    from .schedules import cuda_backward, cuda_backward_wgmma, cuda_decode, cuda_forward, cuda_forward_wgmma
 
     return {**cuda_forward.default_knobs(spec), **cuda_forward_wgmma.default_knobs(spec),
-            **cuda_backward.default_knobs(spec), **cuda_backward_wgmma.default_knobs(spec)}
+            **cuda_backward.default_knobs(spec), **cuda_backward_wgmma.default_knobs(spec), **cuda_decode.DEFAULTS}
 
 
 def cuda_kernels(spec: AttentionSpec, arch: str, knobs: dict | None = None) -> dict:
@@ -188,8 +193,11 @@ def cuda_kernels(spec: AttentionSpec, arch: str, knobs: dict | None = None) -> d
 
 
 def _cuda_kernels(spec: AttentionSpec, arch: str, knobs: dict) -> dict:
-    from .schedules import cuda_backward, cuda_backward_wgmma, cuda_forward, cuda_forward_wgmma
+    from .schedules import cuda_backward, cuda_backward_wgmma, cuda_decode, cuda_forward, cuda_forward_wgmma
 
+    if spec.kv_cache:
+        return {"decode": cuda_decode.decode_kernel_cuda(spec, knobs),
+                "decode_combine": cuda_decode.combine_kernel_cuda(spec)}
     kernels = cuda_backward.backward_kernels_cuda(spec, knobs, arch)
     if knobs["forward_wgmma"] and cuda_forward_wgmma.supports(spec, arch, knobs):
         kernels["forward"] = cuda_forward_wgmma.forward_kernel_wgmma(spec, knobs)
@@ -336,7 +344,7 @@ def load_cached(spec: AttentionSpec, target: dict | None = None) -> dict:
                 module = _load(lib, target)
             except Exception:  # noqa: BLE001 - e.g. a library built for another machine
                 module = _load(build_cached(spec, target, rebuild=True), target)
-            kernels = {name: module[name] for name in kernels_of(target)}
+            kernels = {name: module[name] for name in kernels_of(spec, target)}
             if target["kind"] != "cuda":
                 kernels.update((name, module[name]) for name in CPU_OPTIONAL_KERNELS
                                if module.implements_function(name, query_imports=True))

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from . import rng
+from . import ops, rng
 from .ops import attention
 from .spec import MAX_HEAD_DIM
 
@@ -401,8 +401,8 @@ def _rotate(x, cos, sin, positions, interleaved: bool):
     return torch.cat((turned.to(x.dtype), x[..., 2 * half:]), dim=-1)
 
 
-def _check_index_vector(name: str, x, batch: int, device):
-    """An int32 (batch,) tensor as a host list, or None."""
+def _check_index_tensor(name: str, x, batch: int, device):
+    """An int32 (batch,) tensor on `device` (checked without reading it), or None."""
     if x is None:
         return None
     if not isinstance(x, torch.Tensor):
@@ -411,7 +411,12 @@ def _check_index_vector(name: str, x, batch: int, device):
         raise ValueError(f"{name} must be int32 of shape (batch,) = ({batch},), got {x.dtype} {tuple(x.shape)}")
     if x.device != device:
         raise ValueError(f"{name} is on {x.device} but q is on {device}")
-    return x.tolist()
+    return x
+
+
+# flash_attn_with_kvcache reads the cache in place on CUDA for up to this many queries (decode,
+# speculative decode): schedules/cuda_decode.py
+DECODE_MAX_QUERIES = 16
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -429,12 +434,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     the new keys at positions cache_seqlens + i, q at cache_seqlens + i when causal or windowed,
     else all at cache_seqlens; interleaved pairs or halves (`rotary_interleaved`). causal aligns
     q's last row with the last key. Returns out (B, Lq, H, D), and lse (B, H, Lq) with
-    `return_softmax_lse`. `num_splits` (0 = automatic) is accepted for compatibility: the CPU
-    decode path splits the keys itself.
+    `return_softmax_lse`.
 
-    This version appends and rotates in torch and gathers each sequence's keys into one packed
-    tensor for the varlen kernels (a copy of the used cache per call): correct, not yet the
-    bandwidth-bound decode kernel that reads pages in place."""
+    On CUDA (fp16/bf16, head_dim % 16 == 0, Lq <= 16) a split-KV kernel reads the cache in
+    place, pages included, and merges its splits by lse; `num_splits` sets their number (0:
+    chosen from the shape and the GPU). That path never waits for the GPU, so it does not read
+    the index tensors to check them: block_table entries and lengths are clamped to the cache
+    (reads stay in bounds), and an append or rotary position past the cache or the tables
+    fails in torch's indexing. Elsewhere each sequence's keys are gathered into one packed
+    tensor for the varlen kernels (the CPU splits decode-like calls itself), after every index
+    is checked."""
     _check_tensor("q", q, 4, " (batch, seqlen_q, nheads, head_dim)")
     B, Lq, H, D = q.shape
     paged = block_table is not None
@@ -456,22 +465,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         page = k_cache.shape[1]
         if page % 16:
             raise ValueError(f"the page size (k_cache.shape[1]) must be a multiple of 16, got {page}")
-        pages = block_table.tolist()
-        if any(not 0 <= p < k_cache.shape[0] for row in pages for p in row):
-            raise ValueError(f"block_table holds a page outside k_cache's {k_cache.shape[0]} pages")
         capacity = block_table.shape[1] * page
     else:
         capacity = k_cache.shape[1]
-    rows = _check_index_vector("cache_batch_idx", cache_batch_idx, B, q.device) or list(range(B))
-    if any(not 0 <= r < k_cache.shape[0] for r in rows):
-        raise ValueError(f"cache_batch_idx must index k_cache's {k_cache.shape[0]} rows, got {rows}")
-    if cache_seqlens is None:
-        seqlens = [capacity] * B
-    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        seqlens = [cache_seqlens] * B
-    else:
-        seqlens = _check_index_vector("cache_seqlens", cache_seqlens, B, q.device)
-    leftpad = _check_index_vector("cache_leftpad", cache_leftpad, B, q.device) or [0] * B
+    rows = _check_index_tensor("cache_batch_idx", cache_batch_idx, B, q.device)
+    if isinstance(cache_seqlens, bool) or not (cache_seqlens is None or isinstance(cache_seqlens, int)):
+        cache_seqlens = _check_index_tensor("cache_seqlens", cache_seqlens, B, q.device)
+    leftpad = _check_index_tensor("cache_leftpad", cache_leftpad, B, q.device)
     if (k is None) != (v is None):
         raise ValueError("k and v (the new tokens) must be given together")
     new = 0
@@ -484,23 +484,29 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if v.shape != k.shape:
             raise ValueError(f"v has shape {tuple(v.shape)} but k has {tuple(k.shape)}")
         new = k.shape[1]
-    ends = [s + new for s in seqlens]
-    for b in range(B):
-        if not 0 <= leftpad[b] <= seqlens[b] or ends[b] > capacity:
-            raise ValueError(f"batch {b}: need 0 <= cache_leftpad ({leftpad[b]}) <= cache_seqlens ({seqlens[b]}) "
-                             f"and cache_seqlens + new tokens ({ends[b]}) <= the cache's {capacity} rows")
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together")
-    positions = torch.tensor(seqlens, dtype=torch.int64, device=q.device)[:, None]
+    if rotary_cos is not None and (rotary_cos.dim() != 2 or rotary_cos.shape != rotary_sin.shape
+                                   or 2 * rotary_cos.shape[1] > D):
+        raise ValueError(f"rotary_cos/rotary_sin must be (seqlen_ro, rotary_dim / 2) with rotary_dim <= "
+                         f"head_dim ({D}), got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+    in_place = (q.is_cuda and Lq <= DECODE_MAX_QUERIES and q.dtype != torch.float32 and D % 16 == 0
+                and k_cache.shape[2] > 0 and H % k_cache.shape[2] == 0)
+    if isinstance(cache_seqlens, torch.Tensor):
+        seqlens = cache_seqlens
+    else:
+        seqlens = torch.full((B,), capacity if cache_seqlens is None else cache_seqlens, dtype=torch.int32,
+                             device=q.device)
+    leftpad = torch.zeros_like(seqlens) if leftpad is None else leftpad
+    rows = torch.arange(B, dtype=torch.int32, device=q.device) if rows is None else rows
+    if not in_place:
+        _check_cache_indices(k_cache, block_table, rows, seqlens, leftpad, new, capacity, rotary_cos, Lq,
+                             causal or tuple(window_size) != (-1, -1))
+    positions = seqlens.long()[:, None]
     with torch.no_grad():
         if rotary_cos is not None:
-            if rotary_cos.dim() != 2 or rotary_cos.shape != rotary_sin.shape or 2 * rotary_cos.shape[1] > D:
-                raise ValueError(f"rotary_cos/rotary_sin must be (seqlen_ro, rotary_dim / 2) with rotary_dim <= "
-                                 f"head_dim ({D}), got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
             steps = torch.arange(max(Lq, new), device=q.device)
             q_pos = positions + steps[:Lq] if causal or tuple(window_size) != (-1, -1) else positions.expand(B, Lq)
-            if max(ends + [int(q_pos.max()) + 1 if Lq else 0]) > rotary_cos.shape[0]:
-                raise ValueError(f"rotary_cos has {rotary_cos.shape[0]} positions; the cache reaches {max(ends)}")
             q = _rotate(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
             if k is not None:
                 k = _rotate(k, rotary_cos, rotary_sin, positions + steps[:new], rotary_interleaved)
@@ -509,18 +515,59 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             if paged:
                 where = (block_table.long().gather(1, at // page), at % page)
             else:
-                where = (torch.tensor(rows, device=q.device)[:, None].expand(B, new), at)
+                where = (rows.long()[:, None].expand(B, new), at)
             k_cache[where] = k
             v_cache[where] = v
+        if in_place:
+            qh = q.transpose(1, 2)
+            window = _check_window(window_size, causal)
+            table = block_table if paged else rows[:, None]
+            bounds = torch.stack((leftpad, seqlens + new), dim=1).int()
+            out, lse = ops.decode_kv_cache(qh, k_cache, v_cache, table, bounds, _scale(softmax_scale, D, "softmax_scale"),
+                                           causal, window, _check_softcap(softcap), _check_alibi(alibi_slopes, qh, B),
+                                           num_splits)
+            out = out.transpose(1, 2)
+            return (out, lse) if return_softmax_lse else out
+        out, lse = _gathered_kvcache(q, k_cache, v_cache, block_table, rows, seqlens, leftpad, new, softmax_scale,
+                                     causal, window_size, softcap, alibi_slopes)
+    return (out, lse) if return_softmax_lse else out
 
-        def used(cache, b):  # sequence b's keys [leftpad, end)
-            if paged:
-                return cache[block_table[b, :-(-ends[b] // page)].long()].flatten(0, 1)[leftpad[b]:ends[b]]
-            return cache[rows[b], leftpad[b]:ends[b]]
-        keys, values = (torch.cat([used(c, b) for b in range(B)]) for c in (k_cache, v_cache))
-        offsets_k = [0, *itertools.accumulate(e - p for e, p in zip(ends, leftpad))]
-        out, lse, _ = _varlen_attention(q.reshape(B * Lq, H, D), keys, values, [b * Lq for b in range(B + 1)],
-                                        offsets_k, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                        False, True)
-    out = out.view(B, Lq, H, D)
-    return (out, lse.view(H, B, Lq).transpose(0, 1)) if return_softmax_lse else out
+
+def _check_cache_indices(k_cache, block_table, rows, seqlens, leftpad, new: int, capacity: int, rotary_cos,
+                         Lq: int, q_steps: bool) -> None:
+    """The index tensors' values (read to the host): pages and rows inside the cache, 0 <=
+    leftpad <= seqlens, room for the new tokens, rotary tables long enough."""
+    if block_table is not None and not bool(((block_table >= 0) & (block_table < k_cache.shape[0])).all()):
+        raise ValueError(f"block_table holds a page outside k_cache's {k_cache.shape[0]} pages")
+    if block_table is None and not bool(((rows >= 0) & (rows < k_cache.shape[0])).all()):
+        raise ValueError(f"cache_batch_idx must index k_cache's {k_cache.shape[0]} rows, got {rows.tolist()}")
+    ends = (seqlens + new).tolist()
+    for b, (pad, length) in enumerate(zip(leftpad.tolist(), seqlens.tolist())):
+        if not 0 <= pad <= length or ends[b] > capacity:
+            raise ValueError(f"batch {b}: need 0 <= cache_leftpad ({pad}) <= cache_seqlens ({length}) "
+                             f"and cache_seqlens + new tokens ({ends[b]}) <= the cache's {capacity} rows")
+    if rotary_cos is not None:
+        reach = max(ends + [max(seqlens.tolist()) + (Lq if q_steps else 1)] if ends else [0])
+        if reach > rotary_cos.shape[0]:
+            raise ValueError(f"rotary_cos has {rotary_cos.shape[0]} positions; the cache reaches {reach}")
+
+
+def _gathered_kvcache(q, k_cache, v_cache, block_table, rows, seqlens, leftpad, new: int, softmax_scale, causal,
+                      window_size, softcap, alibi_slopes) -> tuple:
+    """flash_attn_with_kvcache through the varlen kernels: each sequence's keys [leftpad, end)
+    gathered into one packed tensor (out (B, Lq, H, D), lse (B, H, Lq))."""
+    B, Lq, H, D = q.shape
+    ends = (seqlens + new).tolist()
+    starts, rows = leftpad.tolist(), rows.tolist()
+
+    def used(cache, b):
+        if block_table is not None:
+            page = cache.shape[1]
+            return cache[block_table[b, :-(-ends[b] // page)].long()].flatten(0, 1)[starts[b]:ends[b]]
+        return cache[rows[b], starts[b]:ends[b]]
+    keys, values = (torch.cat([used(c, b) for b in range(B)]) for c in (k_cache, v_cache))
+    offsets_k = [0, *itertools.accumulate(e - p for e, p in zip(ends, starts))]
+    out, lse, _ = _varlen_attention(q.reshape(B * Lq, H, D), keys, values, [b * Lq for b in range(B + 1)],
+                                    offsets_k, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                    False, True)
+    return out.view(B, Lq, H, D), lse.view(H, B, Lq).transpose(0, 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -198,6 +199,39 @@ def _forward_split(kern: dict, q, k, v, out, lse, scale, mod_args) -> None:
     lse_part = torch.empty((B, H, splits, Lq), dtype=torch.float32)
     kern["forward_split"](q, k, v, o_part, lse_part, scale, *mod_args)
     kern["forward_combine"](o_part, lse_part, out, lse)
+
+
+def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    key_bounds: torch.Tensor, scale: float, causal: bool, window: tuple, softcap: float,
+                    alibi_slopes: Optional[torch.Tensor], num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV decode on CUDA, reading the cache in place (schedules/cuda_decode.py): q (B, H,
+    Lq, D) view; caches (pages, page_size, Hk, D); block_table (B, max_pages) and key_bounds
+    (B, 2) int32 (each batch entry's keys are cache positions [start, end)). `num_splits` 0
+    picks the splits from the shape and the device. Returns out (B, H, Lq, D) and lse."""
+    from .schedules import cuda_decode
+    from .tuning import tuned_knobs
+
+    B, H, Lq, D = q.shape
+    Hk = k_cache.shape[2]
+    spec = replace(spec_for(q, None, "bottom_right" if causal else "none", window, softcap, alibi_slopes),
+                   kv_cache=True)
+    knobs = {**cuda_decode.DEFAULTS, **tuned_knobs("cuda", spec)}
+    tiles = -(-block_table.shape[1] * k_cache.shape[1] // knobs["decode_block_n"])  # of the longest sequence
+    if num_splits <= 0:
+        ctas = B * Hk * -(-(H // Hk) * Lq // cuda_decode.ROWS)
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        num_splits = -(-knobs["decode_ctas_per_sm"] * sms // ctas)
+    splits = max(1, min(num_splits, tiles, 256))
+    o_part = torch.empty((B, H, splits, Lq, D), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((B, H, splits, Lq), dtype=torch.float32, device=q.device)
+    out = torch.empty((B, Lq, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
+    lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+    mod_args = _mod_args(spec, (B, H, Lq, tiles * knobs["decode_block_n"]), None, window, softcap, alibi_slopes)
+    kern = _kernels(spec, q.device)
+    with _on_stream(q.device):
+        kern["decode"](q, k_cache, v_cache, block_table, key_bounds, o_part, lse_part, scale, *mod_args)
+        kern["decode_combine"](o_part, lse_part, out, lse)
+    return out, lse
 
 
 def _amx_packs(kern: dict, k: torch.Tensor, v: torch.Tensor) -> tuple:

@@ -40,6 +40,9 @@ class AttentionSpec:
     # (mask_mod; block: the (query, key) block size of its block map, or None); captured
     # tensors are kernel arguments `<role>_capture<k>`, the block mask's are BLOCK_MASK_ARGS
     flex: tuple = field(default=())
+    # keys and values read in place from a KV cache (flash_attn_with_kvcache's decode): the
+    # module holds the split-KV decode kernels only (inference; CUDA)
+    kv_cache: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -60,6 +63,8 @@ class AttentionSpec:
             raise ValueError(f"flex must hold a score program, a mask program or both (in that order), got {roles}")
         if "varlen" in self.variants and (self.mask != "none" or self.flex):
             raise ValueError("packed sequences (varlen) take no attention mask and no flex programs")
+        if self.kv_cache and (self.mask != "none" or self.flex or not set(self.variants) <= set(VALUE_VARIANTS + ("window",))):
+            raise ValueError("a kv_cache spec takes causal, window, softcap and ALiBi only")
 
     def _modifier_names(self) -> list:
         names = [v for v in self.variants if v in VALUE_VARIANTS] + [f"flex_{r}" for r, *_ in self.flex if r == "score"]
@@ -103,6 +108,8 @@ class AttentionSpec:
         if self.flex:  # programs are long: a digest names them
             digest = hashlib.sha256(repr(self.flex).encode()).hexdigest()[:12]
             text += "_flex-" + "-".join(role for role, *_ in self.flex) + f"-{digest}"
+        if self.kv_cache:
+            text += "_kvcache"
         return text
 
     def to_dict(self) -> dict:

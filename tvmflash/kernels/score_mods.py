@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 from dataclasses import dataclass, replace
 
 from tvm import tirx
@@ -564,6 +565,16 @@ class ScorePipeline:
         self.dropout = next((m for m in bound if isinstance(m, BoundDropout)), None)
         self.seqs = next((m for m in bound if isinstance(m, _BoundVarlen)), None)
         self.mods = [m for m in bound if not isinstance(m, (BoundDropout, _BoundVarlen))]
+        self.keys_from_zero = False  # kernel key indices may be negative (in_sequence)
+
+    def in_sequence(self, seqlen_q, seqlen_k) -> "ScorePipeline":
+        """This pipeline for one sequence whose lengths the kernel loads at run time (a KV
+        cache's, per batch entry): scores are indexed from the sequence's first key, and keys
+        before it (negative indices: a tile that starts early) are out of bounds too."""
+        seq = copy.copy(self)
+        seq.shape = replace(self.shape, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+        seq.keys_from_zero = True
+        return seq
 
     @property
     def row_values(self) -> int:
@@ -596,8 +607,9 @@ class ScorePipeline:
         score = self.modify(score, ix, masked)
         if not masked:
             return score
-        inside = tirx.all(ix.q_idx < self.shape.seqlen_q, ix.kv_idx < self.shape.seqlen_k)
-        return tirx.Select(inside, score, NEG_INF)
+        inside = [ix.q_idx < self.shape.seqlen_q, ix.kv_idx < self.shape.seqlen_k]
+        inside += [ix.kv_idx >= 0] if self.keys_from_zero else []
+        return tirx.Select(tirx.all(*inside), score, NEG_INF)
 
     @property
     def unit_grad(self) -> bool:
@@ -615,6 +627,7 @@ class ScorePipeline:
         masked or out of bounds: such tiles may use `masked=False`. `at` lets masks known per
         tile (block masks) answer."""
         conds = [q_hi <= self.shape.seqlen_q, kv_hi <= self.shape.seqlen_k]
+        conds += [kv_lo >= 0] if self.keys_from_zero else []
         shape, bounds = self.shape, (q_lo, q_hi, kv_lo, kv_hi)
         if self.seqs is not None:
             inside, shape, bounds = self.seqs.tile_local(*bounds)

@@ -1,0 +1,248 @@
+"""Split-KV decode for CUDA: a few queries (decode, speculative decode) against a KV cache
+read in place, paged or not, as a TIRx native kernel; and the kernel that merges the splits.
+
+What is computed is the forward of `tvmflash/kernels/forward.py` for one sequence of the
+cache per batch entry: its keys are cache positions [start, end) (`key_bounds`, a left-padded
+cache starts late), found through `block_table` pages (a contiguous cache is one page per
+batch entry). The score modifiers (causal, window, ALiBi, softcap) see each score in the
+sequence's own coordinates, as in flash_attn_with_kvcache.
+
+Mapping: one CTA of one warp per (batch, kv-head, block of 16 query rows, split). A block's
+rows are the kv-head's query heads x queries (GQA packs the group: a K/V tile is read once
+for all of them); with Lq = 1 and 4 heads per kv-head that is 4 of an m16 tile's rows, which
+costs tensor-core cycles the memory-bound kernel has to spare. A split owns a range of K/V
+tiles of `decode_block_n` keys, aligned to cache positions so that each 16 keys lie in one
+page (pages are multiples of 16): one table lookup per 16 rows. Tiles stream through a ring
+of `decode_stages` shared-memory buffers (`cp.async`, rows past the sequence zero-filled,
+page numbers clamped to the cache); S and O run on `mma.sync` as in cuda_forward.py. Each
+split writes its rows' O / l and lse (fp32); `decode_combine` merges them by lse.
+
+Knobs (`DEFAULTS`):
+    decode_block_n     keys per K/V tile (a multiple of 16)
+    decode_stages      ring buffers (2 .. 4)
+    decode_ctas_per_sm splits are chosen to give about this many CTAs per SM (num_splits = 0)
+"""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from tvmflash.kernels.common import F32, NEG_INF, KernelArgs, Shape
+from tvmflash.kernels.score_mods import ScoreIndex, ScorePipeline
+from tvmflash.spec import AttentionSpec
+
+from .cuda_mma import (LN2, PAD, copy_tile, load_a, load_b, load_b_trans, mma_16x16, mma_op, rescale_rows, smem_scope,
+                       softmax_tile, to_a_fragments)
+
+DEFAULTS = {"decode_block_n": 32, "decode_stages": 3, "decode_ctas_per_sm": 4}
+ROWS = 16  # query rows per CTA: one m16 tile
+
+
+def supports(spec: AttentionSpec) -> bool:
+    """Specs the decode kernel computes: 16-bit, head dims that are multiples of 16, the
+    modifiers of flash_attn_with_kvcache (no masks, dropout, flex or packed sequences)."""
+    return (spec.dtype in ("float16", "bfloat16") and spec.head_dim % 16 == 0 and spec.mask == "none"
+            and not spec.flex and set(spec.variants) <= {"softcap", "alibi", "window"})
+
+
+def declare_decode_args(spec: AttentionSpec, shape: Shape, pages: tuple, splits: tirx.Var):
+    """q (B, H, Lq, D); k_cache, v_cache (num_pages, page_size, Hk, D); block_table (B,
+    max_pages) int32; key_bounds (B, 2) int32, the cache positions [start, end) of each batch
+    entry's keys; o_part (B, H, splits, Lq, D) and lse_part (B, H, splits, Lq) fp32; scale;
+    then the score modifiers' arguments. Returns them and the bound ScorePipeline."""
+    B, H, HK, LQ = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q
+    NP, PG, MP = pages
+    D, dt = spec.head_dim, spec.dtype
+    args = KernelArgs()
+    q = args.tensor("q", (B, H, LQ, D), dt)
+    k = args.tensor("k_cache", (NP, PG, HK, D), dt)
+    v = args.tensor("v_cache", (NP, PG, HK, D), dt)
+    table = args.tensor("block_table", (B, MP), "int32", unit_last_stride=False)
+    bounds = args.tensor("key_bounds", (B, 2), "int32", unit_last_stride=False)
+    o = args.tensor("o_part", (B, H, splits, LQ, D), F32)
+    lse = args.tensor("lse_part", (B, H, splits, LQ), F32)
+    scale = args.scalar("scale")
+    return q, k, v, table, bounds, o, lse, scale, ScorePipeline(spec.modifiers(), args, shape)
+
+
+def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
+    D, dt = spec.head_dim, spec.dtype
+    BN, ST = knobs["decode_block_n"], knobs["decode_stages"]
+    if not supports(spec):
+        raise ValueError(f"the CUDA decode kernel does not compute {spec}")
+    if BN % 16 or not 16 <= BN <= 128 or ST not in (2, 3, 4):
+        raise ValueError(f"bad decode knobs: block_n {BN} (a multiple of 16 up to 128), stages {ST} (2 .. 4)")
+    MMA = mma_op(dt)
+    NS, ND = BN // 8, D // 8
+    K_ROW, V_ROW = ROWS, ROWS + ST * BN
+    SCOPE = smem_scope((ROWS + 2 * ST * BN) * (D + PAD) * 2)
+
+    shape = Shape.fresh()
+    B, H, HK, LQ = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q
+    pages = tuple(tirx.Var(n, "int64") for n in ("num_pages", "page_size", "max_pages"))
+    NP, PG, MP = pages
+    S = tirx.Var("splits", "int64")
+
+    @T.prim_func
+    def decode():
+        T.func_attr({"tirx.noalias": True})
+        Q, K, V, TABLE, BOUNDS, O, LSE, scale, score_all = T.meta_var(declare_decode_args(spec, shape, pages, S))
+        T.device_entry()
+        G = T.meta_var(H // HK)
+        NRB = T.meta_var((G * LQ + ROWS - 1) // ROWS)
+        bx, by = T.cta_id([T.Cast("int32", NRB * S), T.Cast("int32", B * HK)])
+        lane = T.thread_id([32])
+        b = T.meta_var(T.Cast("int64", by) // HK)
+        hk = T.meta_var(T.Cast("int64", by) % HK)
+        split = T.meta_var(T.Cast("int64", bx) % S)
+        r0 = T.meta_var(T.Cast("int64", bx) // S * ROWS)  # the block's first row of the kv-head's G * Lq
+        pool = T.alloc_buffer((ROWS + 2 * ST * BN, D + PAD), dt, scope=SCOPE, align=128)
+        qf = T.alloc_local([D // 16 * 4], "uint32")
+        kb = T.alloc_local([4], "uint32")
+        vb = T.alloc_local([4], "uint32")
+        s = T.alloc_local([NS * 4], F32)
+        p = T.alloc_local([NS * 4], dt)
+        o = T.alloc_local([ND * 4], F32)
+        m = T.alloc_local([2], F32)
+        l = T.alloc_local([2], F32)
+        mx = T.alloc_local([1], F32)
+        alpha = T.alloc_local([2], F32)
+        key = T.alloc_local([3], "int64")  # the sequence's first cache position, its key count, a page
+        tiles = T.alloc_local([2], "int64")  # this split's first tile and tile count
+        pw = p.view("uint32")
+        key[0] = T.Cast("int64", BOUNDS[b, 0])
+        key[1] = T.max(T.Cast("int64", BOUNDS[b, 1]) - key[0], T.int64(0))
+        # the pipeline in the sequence's coordinates: key j is cache position key[0] + j
+        score = T.meta_var(score_all.in_sequence(LQ, key[1]))
+        row = T.meta_var(lambda r: T.min(r0 + r, G * LQ - 1))  # padding rows repeat the last row
+        head = T.meta_var(lambda r: hk * G + row(r) // LQ)
+        qi = T.meta_var(lambda r: row(r) % LQ)
+
+        # the splits share the tiles of the keys any query sees, in cache-aligned tiles
+        lo, hi = T.meta_var(score.kv_range(T.int64(0), LQ))
+        first = T.meta_var((key[0] + lo) // BN)
+        count = T.meta_var(T.max((key[0] + hi + BN - 1) // BN - first, T.int64(0)))
+        per_split = T.meta_var((count + S - 1) // S)
+        tiles[0] = first + T.min(split * per_split, count)
+        tiles[1] = T.min(per_split, count - T.min(split * per_split, count))
+
+        copy_tile(pool, 0, lambda r, c: Q.ptr_to([b, head(r), qi(r), c]), lambda r: r0 + r < G * LQ, ROWS, D, lane, 32)
+
+        @T.inline
+        def fetch(j):  # tile j of the split into ring buffer j % ST, 16 keys (one page) at a time
+            t0 = T.meta_var((tiles[0] + j) * BN)
+            for u in T.unroll(BN // 16):
+                pos = T.meta_var(t0 + u * 16)
+                key[2] = T.Cast("int64", TABLE[b, T.min(pos // PG, MP - 1)])
+                key[2] = T.min(T.max(key[2], T.int64(0)), NP - 1)
+                inside = T.meta_var(lambda r: tirx.all(pos + r >= key[0], pos + r < key[0] + key[1]))
+                copy_tile(pool, K_ROW + j % ST * BN + u * 16, lambda r, c: K.ptr_to([key[2], pos % PG + r, hk, c]),
+                          inside, 16, D, lane, 32)
+                copy_tile(pool, V_ROW + j % ST * BN + u * 16, lambda r, c: V.ptr_to([key[2], pos % PG + r, hk, c]),
+                          inside, 16, D, lane, 32)
+
+        for j in T.unroll(T.int64(ST - 1)):
+            if j < tiles[1]:
+                fetch(j)
+            T.ptx["cp.async.commit_group"]()
+        for i in T.unroll(ND * 4):
+            o[i] = T.float32(0)
+        for i in T.unroll(2):
+            m[i] = T.min_value(F32)
+            l[i] = T.float32(0)
+        index = T.meta_var(lambda mt, hh, col: ScoreIndex(b, head(lane // 4 + hh * 8), qi(lane // 4 + hh * 8),
+                                                          col - key[0]))
+        for j in T.serial(tiles[1]):
+            if j + ST - 1 < tiles[1]:
+                fetch(j + ST - 1)
+            T.ptx["cp.async.commit_group"]()
+            T.ptx["cp.async.wait_group"](ST - 1)
+            T.cuda.cta_sync()
+            if j == 0:
+                for kk in T.unroll(D // 16):
+                    load_a(qf, kk * 4, pool, 0, kk * 16, lane)
+            buf = T.meta_var(j % ST)
+            k0 = T.meta_var((tiles[0] + j) * BN)  # cache position of the tile's first key
+            for i in T.unroll(NS * 4):
+                s[i] = T.float32(0)
+            for kk in T.unroll(D // 16):
+                for nn in T.unroll(BN // 16):
+                    load_b(kb, 0, pool, K_ROW + buf * BN + nn * 16, kk * 16, lane)
+                    mma_16x16(MMA, s, nn * 8, qf, kk * 4, kb, 0)
+            if score.tile_unmasked(T.int64(0), LQ, k0 - key[0], k0 + BN - key[0]):
+                softmax_tile(s, m, l, mx, alpha, 1, NS, score, scale, index, k0, lane, False)
+            else:
+                softmax_tile(s, m, l, mx, alpha, 1, NS, score, scale, index, k0, lane, True)
+            to_a_fragments(s, p, NS * 4)
+            rescale_rows(o, alpha, 1, ND)
+            for kk in T.unroll(BN // 16):
+                for dd in T.unroll(D // 16):
+                    load_b_trans(vb, 0, pool, V_ROW + buf * BN + kk * 16, dd * 16, lane)
+                    mma_16x16(MMA, o, dd * 8, pw, kk * 4, vb, 0)
+            T.cuda.cta_sync()  # the next iteration refills a buffer read here
+        # this split's O / l and lse; rows that saw no key: O = 0, lse = -inf
+        for hh in T.unroll(2):
+            l[hh] = T.cuda.warp_sum(l[hh], width=4)
+            r = T.meta_var(lane // 4 + hh * 8)
+            if r0 + r < G * LQ:
+                for dd in T.unroll(ND):
+                    for e in T.unroll(2):
+                        O[b, head(r), split, qi(r), dd * 8 + lane % 4 * 2 + e] = T.Select(
+                            l[hh] > T.float32(0), o[dd * 4 + hh * 2 + e] / l[hh], T.float32(0))
+                if lane % 4 == 0:
+                    LSE[b, head(r), split, qi(r)] = T.Select(l[hh] > T.float32(0),
+                                                             m[hh] * T.float32(LN2) + T.log(l[hh]), NEG_INF)
+
+    return decode.with_attr("global_symbol", "decode")
+
+
+def combine_kernel_cuda(spec: AttentionSpec) -> tirx.PrimFunc:
+    """O and lse from the splits' partials: lse = log sum_s exp(lse_s), O = sum_s exp(lse_s -
+    lse) O_s, one warp per query row (lanes along the head dim); a row no split saw gets O = 0,
+    lse = -inf."""
+    D, dt = spec.head_dim, spec.dtype
+    WARPS = 4
+    shape = Shape.fresh()
+    B, H, LQ = shape.batch, shape.heads, shape.seqlen_q
+    S = tirx.Var("splits", "int64")
+    args = KernelArgs()
+
+    def declare():
+        return (args.tensor("o_part", (B, H, S, LQ, D), F32), args.tensor("lse_part", (B, H, S, LQ), F32),
+                args.tensor("o", (B, H, LQ, D), dt), args.tensor("lse", (B, H, LQ), F32))
+
+    @T.prim_func
+    def combine():
+        T.func_attr({"tirx.noalias": True})
+        O_PART, LSE_PART, O, LSE = T.meta_var(declare())
+        T.device_entry()
+        bx = T.cta_id([T.Cast("int32", (B * H * LQ + WARPS - 1) // WARPS)])
+        tid = T.thread_id([WARPS * 32])
+        lane = T.meta_var(tid % 32)
+        rw = T.meta_var(T.Cast("int64", bx) * WARPS + tid // 32)
+        b, h, i = T.meta_var((rw // (H * LQ), rw // LQ % H, rw % LQ))
+        top = T.alloc_local([1], F32)
+        total = T.alloc_local([1], F32)
+        weight = T.alloc_local([1], F32)
+        acc = T.alloc_local([(D + 31) // 32], F32)
+        if rw < B * H * LQ:
+            top[0] = T.min_value(F32)
+            for k in T.serial(S):
+                top[0] = T.max(top[0], LSE_PART[b, h, k, i])
+            total[0] = T.float32(0)
+            for c in T.unroll((D + 31) // 32):
+                acc[c] = T.float32(0)
+            for k in T.serial(S):
+                weight[0] = T.exp(LSE_PART[b, h, k, i] - top[0])  # 0 for a split that saw no key
+                total[0] = total[0] + weight[0]
+                for c in T.unroll((D + 31) // 32):
+                    if D % 32 == 0 or lane + c * 32 < D:
+                        acc[c] = acc[c] + weight[0] * O_PART[b, h, k, i, lane + c * 32]
+            for c in T.unroll((D + 31) // 32):
+                if D % 32 == 0 or lane + c * 32 < D:
+                    O[b, h, i, lane + c * 32] = T.Cast(dt, T.Select(total[0] > T.float32(0), acc[c] / total[0],
+                                                                    T.float32(0)))
+            if lane == 0:
+                LSE[b, h, i] = T.Select(total[0] > T.float32(0), top[0] + T.log(total[0]), NEG_INF)
+
+    return combine.with_attr("global_symbol", "decode_combine")
