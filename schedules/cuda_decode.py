@@ -20,7 +20,8 @@ split writes its rows' O / l and lse (fp32); `decode_combine` merges them by lse
 Knobs (`DEFAULTS`):
     decode_block_n     keys per K/V tile (a multiple of 16)
     decode_stages      ring buffers (2 .. 4)
-    decode_ctas_per_sm splits are chosen to give about this many CTAs per SM (num_splits = 0)
+(and `decode_ctas_per_sm`, read by ops.decode_kv_cache: the automatic num_splits aims at about
+that many CTAs per SM)
 """
 from __future__ import annotations
 
@@ -29,13 +30,13 @@ from tvm.script import tirx as T
 
 from tvmflash.kernels.common import F32, NEG_INF, KernelArgs, Shape
 from tvmflash.kernels.score_mods import ScoreIndex, ScorePipeline
+from tvmflash.spec import DECODE_ROWS as ROWS
 from tvmflash.spec import AttentionSpec
 
 from .cuda_mma import (LN2, PAD, copy_tile, load_a, load_b, load_b_trans, mma_16x16, mma_op, rescale_rows, smem_scope,
                        softmax_tile, to_a_fragments)
 
-DEFAULTS = {"decode_block_n": 32, "decode_stages": 3, "decode_ctas_per_sm": 4}
-ROWS = 16  # query rows per CTA: one m16 tile
+DEFAULTS = {"decode_block_n": 32, "decode_stages": 3}
 
 
 def supports(spec: AttentionSpec) -> bool:

@@ -22,10 +22,11 @@ specs.add(AttentionSpec("float16", 80, causal="bottom_right"))
 for mask, c in itertools.product(["bool", "additive"], ["none", "top_left"]):
     specs.add(AttentionSpec("float16", 64, causal=c, mask=mask))
 sys.path.insert(0, str(ROOT / "tests"))
-from test_cuda import cuda_flex_specs, cuda_variant_specs, cuda_varlen_specs  # noqa: E402
+from test_cuda import cuda_flex_specs, cuda_kvcache_specs, cuda_variant_specs, cuda_varlen_specs  # noqa: E402
 
 specs.update(cuda_variant_specs())
 specs.update(cuda_varlen_specs())
+specs.update(cuda_kvcache_specs())
 specs.update(cuda_flex_specs())
 sys.path.insert(0, str(ROOT / "scripts"))
 from variants_bench import specs as bench_variant_specs  # noqa: E402
@@ -37,6 +38,9 @@ specs.update(flex_bench_specs())
 from varlen_bench import specs as varlen_bench_specs  # noqa: E402
 
 specs.update(varlen_bench_specs())
+from decode_bench import specs as decode_bench_specs  # noqa: E402
+
+specs.update(decode_bench_specs())
 if len(sys.argv) > 1:
     specs = {s for s in specs if any(part in s.name for part in sys.argv[1:])}
 start = time.time()

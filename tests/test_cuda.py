@@ -422,3 +422,42 @@ def test_cuda_varlen(dtype, d, causal, window, alibi, dropout_p, lengths_q, leng
     assert torch.equal(lse.isfinite(), fin) and (lse[fin].double() - refs[0][1][fin]).abs().max() < 1e-3
     for name, a, r, lo in zip(("dq", "dk", "dv"), (x.grad for x in leaves), refs[0][2], refs[1][2]):
         _check_close(f"{name} (deterministic={deterministic})", a, r, lo)
+
+
+# flash_attn_with_kvcache reading the cache in place: (dtype, head dim, (heads, kv heads), softcap, alibi)
+CUDA_KVCACHE = [(torch.bfloat16, 128, (8, 2), 0.0, False), (torch.float16, 64, (4, 4), 30.0, True)]
+
+
+def cuda_kvcache_specs() -> list:
+    """The decode specs the kvcache tests use (scripts/device_prebuild.py builds them)."""
+    from dataclasses import replace
+
+    from test_kvcache import CASES
+    from tvmflash.interface import _check_window
+    from tvmflash.ops import spec_for
+
+    return [replace(spec_for(torch.empty(1, 1, 1, d, dtype=dtype), None, "bottom_right" if causal else "none",
+                             _check_window(window, causal), softcap, torch.ones(1) if alibi else None), kv_cache=True)
+            for dtype, d, _, softcap, alibi in CUDA_KVCACHE for causal, window, _ in CASES]
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype,d,heads,softcap,alibi", CUDA_KVCACHE, ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "paged16", "paged48", "paged256"])
+@pytest.mark.parametrize("causal,window,rotary", __import__("test_kvcache").CASES, ids=str)
+@pytest.mark.parametrize("lq,new", [(1, 1), (3, 3), (4, 0), (16, 2)])
+def test_cuda_kvcache_in_place(dtype, d, heads, softcap, alibi, layout, causal, window, rotary, lq, new):
+    from test_kvcache import check_kvcache
+
+    check_kvcache(layout, causal, window, rotary, lq, new, "cuda", dtype, heads, d, softcap, alibi)
+
+
+@needs_gpu
+@pytest.mark.parametrize("layout", ["contiguous", "paged16", "paged256"])
+@pytest.mark.parametrize("num_splits", [0, 1, 7])
+def test_cuda_kvcache_long(layout, num_splits):
+    """Thousands of keys: many tiles per split, splits that see no key (short sequences)."""
+    from test_kvcache import check_kvcache
+
+    check_kvcache(layout, True, (-1, -1), "interleaved", 2, 1, "cuda", torch.bfloat16, (8, 2), 128,
+                  capacity=2100, lengths=(700, 0, 2000), num_splits=num_splits)

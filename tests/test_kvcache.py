@@ -36,45 +36,66 @@ def logical_cache(cache, b, rows, block_table, page):
     return torch.cat([cache[p] for p in block_table[b].tolist()])
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "paged16", "paged48"])
-@pytest.mark.parametrize("causal,window,rotary", [(False, (-1, -1), None), (True, (-1, -1), "interleaved"),
-                                                  (True, (5, -1), "halves"), (False, (-1, -1), "halves")])
-@pytest.mark.parametrize("lq,new", [(1, 1), (3, 3), (4, 0)])
+LAYOUTS = ["contiguous", "paged16", "paged48"]
+CASES = [(False, (-1, -1), None), (True, (-1, -1), "interleaved"), (True, (5, -1), "halves"),
+         (False, (-1, -1), "halves")]
+QUERIES_NEW = [(1, 1), (3, 3), (4, 0)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal,window,rotary", CASES)
+@pytest.mark.parametrize("lq,new", QUERIES_NEW)
 def test_kvcache(layout, causal, window, rotary, lq, new):
+    check_kvcache(layout, causal, window, rotary, lq, new)
+
+
+def check_kvcache(layout, causal, window, rotary, lq, new, device="cpu", dtype=torch.float32, heads=(H, HK), d=D,
+                  softcap=0.0, alibi=False, capacity=96, lengths=(10, 0, 57), num_splits=0):
+    """One flash_attn_with_kvcache call on 3 sequences (`lengths` before the append; an empty
+    one gets a token when nothing is appended) against the float64 reference per sequence, and
+    the caches after the append.
+    Tolerance: flash-attn's rule (twice the error of the same computation in `dtype`) plus
+    a floor."""
+    h, hk = heads
     g = torch.Generator().manual_seed(lq * 7 + new)
-    B, capacity = 3, 96
-    q = torch.randn(B, lq, H, D, generator=g)
-    seqlens = torch.tensor([10, 0, 57], dtype=torch.int32) if new else torch.tensor([10, 1, 57], dtype=torch.int32)
+    B = 3
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(device)  # noqa: E731
+    as_index = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    q = rand(B, lq, h, d)
+    seqlens = as_index([n or (0 if new else 1) for n in lengths])
     leftpad = None
     block_table, rows, page = None, list(range(B)), None
     if layout == "contiguous":
-        k_cache = torch.randn(B + 1, capacity, HK, D, generator=g)
+        k_cache = rand(B + 1, capacity, hk, d)
         rows = [2, 0, 3]
-        cache_batch_idx = torch.tensor(rows, dtype=torch.int32)
-        leftpad = torch.tensor([3, 0, 20], dtype=torch.int32)
+        cache_batch_idx = as_index(rows)
+        leftpad = as_index([3, 0, 20])
     else:
         page = int(layout[5:])
-        per_seq = capacity // page
-        k_cache = torch.randn(B * per_seq + 2, page, HK, D, generator=g)
+        per_seq = -(-capacity // page)
+        k_cache = rand(B * per_seq + 2, page, hk, d)
         perm = torch.randperm(B * per_seq + 2, generator=g)[:B * per_seq]
-        block_table = perm.view(B, per_seq).to(torch.int32)
+        block_table = perm.view(B, per_seq).to(torch.int32).to(device)
         cache_batch_idx = None
-    v_cache = torch.randn(k_cache.shape, generator=g)
-    k_new = torch.randn(B, new, HK, D, generator=g) if new else None
-    v_new = torch.randn(B, new, HK, D, generator=g) if new else None
+    v_cache = rand(*k_cache.shape)
+    k_new = rand(B, new, hk, d) if new else None
+    v_new = rand(B, new, hk, d) if new else None
     cos = sin = None
     if rotary:
-        angles = torch.rand(capacity + 8, D // 4, generator=g) * 6.28
-        cos, sin = angles.cos(), angles.sin()
+        angles = torch.rand(capacity + 8, d // 4, generator=g) * 6.28
+        cos, sin = angles.cos().to(device), angles.sin().to(device)
+    slopes = (torch.rand(B, h, generator=g) * 0.3).to(device) if alibi else None
     before_k, before_v = k_cache.clone(), v_cache.clone()
 
     out, lse = tvmflash.flash_attn_with_kvcache(
         q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
         cache_batch_idx=cache_batch_idx, cache_leftpad=leftpad, block_table=block_table, causal=causal,
-        window_size=window, rotary_interleaved=rotary == "interleaved", return_softmax_lse=True)
-    assert out.shape == q.shape and lse.shape == (B, H, lq)
+        window_size=window, softcap=softcap, rotary_interleaved=rotary == "interleaved", alibi_slopes=slopes,
+        num_splits=num_splits, return_softmax_lse=True)
+    assert out.shape == q.shape and lse.shape == (B, h, lq)
 
-    pos = seqlens.long()[:, None]
+    pos = seqlens.long().cpu()[:, None]
+    k_new, v_new, q, cos, sin = (x.cpu() if x is not None else None for x in (k_new, v_new, q, cos, sin))
     if rotary:
         k_rot = rotate_reference(k_new, cos, sin, pos + torch.arange(new), rotary == "interleaved") if new else None
         q_pos = pos + torch.arange(lq) if causal or window != (-1, -1) else pos.expand(B, lq)
@@ -82,28 +103,34 @@ def test_kvcache(layout, causal, window, rotary, lq, new):
     else:
         k_rot, q_ref = (k_new.double() if new else None), q.double()
     pad = leftpad.tolist() if leftpad is not None else [0] * B
+    caches = [c.cpu() for c in (k_cache, v_cache, before_k, before_v)]
+    table = block_table.cpu() if block_table is not None else None
     for b in range(B):
         end = int(seqlens[b]) + new
-        ks, vs = logical_cache(k_cache, b, rows, block_table, page), logical_cache(v_cache, b, rows, block_table, page)
-        ks0, vs0 = (logical_cache(c, b, rows, block_table, page) for c in (before_k, before_v))
+        ks, vs, ks0, vs0 = (logical_cache(c, b, rows, table, page) for c in caches)
         # the append: the new rows (rotated) at seqlens[b] ..., everything else untouched
         if new:
-            torch.testing.assert_close(ks[seqlens[b]:end].double(), k_rot[b], atol=1e-5, rtol=0)
+            torch.testing.assert_close(ks[seqlens[b]:end].double(), k_rot[b].to(dtype).double(),
+                                       **(dict(atol=1e-5, rtol=0) if dtype == torch.float32 else {}))
             torch.testing.assert_close(vs[seqlens[b]:end], v_new[b], atol=0, rtol=0)
         keep = torch.ones(ks.shape[0], dtype=torch.bool)
         keep[seqlens[b]:end] = False
         assert torch.equal(ks[keep], ks0[keep]) and torch.equal(vs[keep], vs0[keep])
-        kb, vb = ks[pad[b]:end].double(), vs[pad[b]:end].double()
-        ref, ref_lse = attention(q_ref[b].transpose(0, 1)[None], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None],
-                                 causal="bottom_right" if causal else "none",
-                                 window=(window[0], 0 if causal else window[1]))
-        torch.testing.assert_close(out[b].double(), ref[0].transpose(0, 1), atol=2e-5, rtol=0)
-        fin = ref_lse[0].isfinite()
-        assert torch.equal(lse[b].isfinite(), fin)
-        torch.testing.assert_close(lse[b][fin].double(), ref_lse[0][fin], atol=1e-4, rtol=0)
+        kb, vb = ks[pad[b]:end], vs[pad[b]:end]
+        variant = dict(causal="bottom_right" if causal else "none", window=(window[0], 0 if causal else window[1]),
+                       softcap=softcap, alibi_slopes=slopes[b:b + 1].cpu() if alibi else None)
+        refs = [attention(x[b].transpose(0, 1)[None], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None],
+                          dtype=t, **variant) for x, t in ((q_ref, torch.float64), (q_ref.to(dtype), dtype))]
+        err = (out[b].cpu().double() - refs[0][0][0].transpose(0, 1)).abs().max().item()
+        low = (refs[1][0][0].double() - refs[0][0][0]).abs().max().item()
+        assert err <= 2 * low + FLOOR[dtype], f"batch {b}: error {err:.3g}, {dtype} reference's {low:.3g}"
+        fin = refs[0][1][0].isfinite()
+        assert torch.equal(lse[b].cpu().isfinite(), fin)
+        torch.testing.assert_close(lse[b].cpu()[fin].double(), refs[0][1][0][fin], atol=1e-4 if dtype == torch.float32
+                                   else 2e-3, rtol=0)
     # other cache rows (contiguous) are never written
     if layout == "contiguous":
-        assert torch.equal(k_cache[1], before_k[1])
+        assert torch.equal(caches[0][1], caches[2][1])
 
 
 def test_kvcache_bf16_matches_the_dense_function():

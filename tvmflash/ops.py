@@ -201,6 +201,11 @@ def _forward_split(kern: dict, q, k, v, out, lse, scale, mod_args) -> None:
     kern["forward_combine"](o_part, lse_part, out, lse)
 
 
+# CTAs per SM the automatic num_splits of decode_kv_cache aims at (a tuning record's
+# decode_ctas_per_sm overrides it)
+DECODE_CTAS_PER_SM = 4
+
+
 def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     key_bounds: torch.Tensor, scale: float, causal: bool, window: tuple, softcap: float,
                     alibi_slopes: Optional[torch.Tensor], num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,25 +213,25 @@ def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Lq, D) view; caches (pages, page_size, Hk, D); block_table (B, max_pages) and key_bounds
     (B, 2) int32 (each batch entry's keys are cache positions [start, end)). `num_splits` 0
     picks the splits from the shape and the device. Returns out (B, H, Lq, D) and lse."""
-    from .schedules import cuda_decode
+    from .spec import DECODE_ROWS
     from .tuning import tuned_knobs
 
     B, H, Lq, D = q.shape
     Hk = k_cache.shape[2]
     spec = replace(spec_for(q, None, "bottom_right" if causal else "none", window, softcap, alibi_slopes),
                    kv_cache=True)
-    knobs = {**cuda_decode.DEFAULTS, **tuned_knobs("cuda", spec)}
-    tiles = -(-block_table.shape[1] * k_cache.shape[1] // knobs["decode_block_n"])  # of the longest sequence
-    if num_splits <= 0:
-        ctas = B * Hk * -(-(H // Hk) * Lq // cuda_decode.ROWS)
+    capacity = block_table.shape[1] * k_cache.shape[1]  # keys of the longest possible sequence
+    if num_splits <= 0:  # about decode_ctas_per_sm CTAs (one warp each) per SM
+        ctas = B * Hk * -(-(H // Hk) * Lq // DECODE_ROWS)
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        num_splits = -(-knobs["decode_ctas_per_sm"] * sms // ctas)
-    splits = max(1, min(num_splits, tiles, 256))
+        per_sm = tuned_knobs("cuda", spec).get("decode_ctas_per_sm", DECODE_CTAS_PER_SM)
+        num_splits = -(-per_sm * sms // ctas)
+    splits = max(1, min(num_splits, -(-capacity // 16), 256))  # a split has a 16-key tile at least
     o_part = torch.empty((B, H, splits, Lq, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, H, splits, Lq), dtype=torch.float32, device=q.device)
     out = torch.empty((B, Lq, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
-    mod_args = _mod_args(spec, (B, H, Lq, tiles * knobs["decode_block_n"]), None, window, softcap, alibi_slopes)
+    mod_args = _mod_args(spec, (B, H, Lq, capacity), None, window, softcap, alibi_slopes)
     kern = _kernels(spec, q.device)
     with _on_stream(q.device):
         kern["decode"](q, k_cache, v_cache, block_table, key_bounds, o_part, lse_part, scale, *mod_args)

@@ -23,6 +23,9 @@ VARIANT_ARGS = {"softcap": ("softcap",), "alibi": ("alibi_slopes",), "window": (
 VALUE_VARIANTS = ("softcap", "alibi")
 # a flex block mask's kernel arguments (after its mask_mod's captures): the tile map, then the
 # partial and full kv-block counts and lists per query block (torch's BlockMask fields)
+# a kv_cache spec's decode kernel takes a kv-head's query rows (its heads x queries) in blocks
+# of this many (one tensor-core m16 tile; schedules/cuda_decode.py)
+DECODE_ROWS = 16
 BLOCK_MASK_ARGS = ("mask_block_map", "mask_kv_num", "mask_kv_indices", "mask_full_kv_num", "mask_full_kv_indices")
 
 
