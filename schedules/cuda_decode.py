@@ -2,8 +2,8 @@
 read in place, paged or not, as a TIRx native kernel; and the kernel that merges the splits.
 
 What is computed is the forward of `tvmflash/kernels/forward.py` for one sequence of the
-cache per batch entry: its keys are cache positions [start, end) (`key_bounds`, a left-padded
-cache starts late), found through `block_table` pages (a contiguous cache is one page per
+cache per batch entry: its keys are cache positions [cache_leftpad[b], cache_seqlens[b] +
+new_keys), found through `block_table` pages (a contiguous cache is one page per
 batch entry). The score modifiers (causal, window, ALiBi, softcap) see each score in the
 sequence's own coordinates, as in flash_attn_with_kvcache.
 
@@ -48,8 +48,8 @@ def supports(spec: AttentionSpec) -> bool:
 
 def declare_decode_args(spec: AttentionSpec, shape: Shape, pages: tuple, splits: tirx.Var):
     """q (B, H, Lq, D); k_cache, v_cache (num_pages, page_size, Hk, D); block_table (B,
-    max_pages) int32; key_bounds (B, 2) int32, the cache positions [start, end) of each batch
-    entry's keys; o_part (B, H, splits, Lq, D) and lse_part (B, H, splits, Lq) fp32; scale;
+    max_pages), cache_seqlens and cache_leftpad (B,) int32 and new_keys (int64): batch entry
+    b's keys are cache positions [cache_leftpad[b], cache_seqlens[b] + new_keys); o_part (B, H, splits, Lq, D) and lse_part (B, H, splits, Lq) fp32; scale;
     then the score modifiers' arguments. Returns them and the bound ScorePipeline."""
     B, H, HK, LQ = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q
     NP, PG, MP = pages
@@ -59,11 +59,13 @@ def declare_decode_args(spec: AttentionSpec, shape: Shape, pages: tuple, splits:
     k = args.tensor("k_cache", (NP, PG, HK, D), dt)
     v = args.tensor("v_cache", (NP, PG, HK, D), dt)
     table = args.tensor("block_table", (B, MP), "int32", unit_last_stride=False)
-    bounds = args.tensor("key_bounds", (B, 2), "int32", unit_last_stride=False)
+    seqlens = args.tensor("cache_seqlens", (B,), "int32", unit_last_stride=False)
+    leftpad = args.tensor("cache_leftpad", (B,), "int32", unit_last_stride=False)
+    new_keys = args.scalar("new_keys", "int64")
     o = args.tensor("o_part", (B, H, splits, LQ, D), F32)
     lse = args.tensor("lse_part", (B, H, splits, LQ), F32)
     scale = args.scalar("scale")
-    return q, k, v, table, bounds, o, lse, scale, ScorePipeline(spec.modifiers(), args, shape)
+    return q, k, v, table, (seqlens, leftpad, new_keys), o, lse, scale, ScorePipeline(spec.modifiers(), args, shape)
 
 
 def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
@@ -87,7 +89,7 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     @T.prim_func
     def decode():
         T.func_attr({"tirx.noalias": True})
-        Q, K, V, TABLE, BOUNDS, O, LSE, scale, score_all = T.meta_var(declare_decode_args(spec, shape, pages, S))
+        Q, K, V, TABLE, bounds, O, LSE, scale, score_all = T.meta_var(declare_decode_args(spec, shape, pages, S))
         T.device_entry()
         G = T.meta_var(H // HK)
         NRB = T.meta_var((G * LQ + ROWS - 1) // ROWS)
@@ -111,8 +113,8 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         key = T.alloc_local([3], "int64")  # the sequence's first cache position, its key count, a page
         tiles = T.alloc_local([2], "int64")  # this split's first tile and tile count
         pw = p.view("uint32")
-        key[0] = T.Cast("int64", BOUNDS[b, 0])
-        key[1] = T.max(T.Cast("int64", BOUNDS[b, 1]) - key[0], T.int64(0))
+        key[0] = T.Cast("int64", bounds[1][b])
+        key[1] = T.max(T.Cast("int64", bounds[0][b]) + bounds[2] - key[0], T.int64(0))
         # the pipeline in the sequence's coordinates: key j is cache position key[0] + j
         score = T.meta_var(score_all.in_sequence(LQ, key[1]))
         row = T.meta_var(lambda r: T.min(r0 + r, G * LQ - 1))  # padding rows repeat the last row

@@ -99,7 +99,8 @@ def check_kvcache(layout, causal, window, rotary, lq, new, device="cpu", dtype=t
     if rotary:
         k_rot = rotate_reference(k_new, cos, sin, pos + torch.arange(new), rotary == "interleaved") if new else None
         q_pos = pos + torch.arange(lq) if causal or window != (-1, -1) else pos.expand(B, lq)
-        q_ref = rotate_reference(q, cos, sin, q_pos, rotary == "interleaved")
+        # the library rotates q into its dtype: the reference starts from that rounded q
+        q_ref = rotate_reference(q, cos, sin, q_pos, rotary == "interleaved").to(dtype).double()
     else:
         k_rot, q_ref = (k_new.double() if new else None), q.double()
     pad = leftpad.tolist() if leftpad is not None else [0] * B

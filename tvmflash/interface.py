@@ -7,6 +7,7 @@ autograd differentiates with our own backward kernels. Features whose kernels do
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -414,6 +415,17 @@ def _check_index_tensor(name: str, x, batch: int, device):
     return x
 
 
+@functools.lru_cache(maxsize=None)
+def _zeros_int32(device) -> torch.Tensor:
+    """A (1,) int32 zero on `device`, kept (decode calls are short: no fresh tensor each)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _arange_int32(n: int, device) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int32, device=device)
+
+
 # flash_attn_with_kvcache reads the cache in place on CUDA for up to this many queries (decode,
 # speculative decode): schedules/cuda_decode.py
 DECODE_MAX_QUERIES = 16
@@ -494,16 +506,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 and k_cache.shape[2] > 0 and H % k_cache.shape[2] == 0)
     if isinstance(cache_seqlens, torch.Tensor):
         seqlens = cache_seqlens
-    else:
-        seqlens = torch.full((B,), capacity if cache_seqlens is None else cache_seqlens, dtype=torch.int32,
-                             device=q.device)
-    leftpad = torch.zeros_like(seqlens) if leftpad is None else leftpad
-    rows = torch.arange(B, dtype=torch.int32, device=q.device) if rows is None else rows
+    else:  # one value for every batch entry: a broadcast view
+        seqlens = torch.full((1,), capacity if cache_seqlens is None else cache_seqlens, dtype=torch.int32,
+                             device=q.device).expand(B)
+    leftpad = _zeros_int32(q.device).expand(B) if leftpad is None else leftpad
+    if rows is None:
+        rows = _arange_int32(B, q.device)
     if not in_place:
         _check_cache_indices(k_cache, block_table, rows, seqlens, leftpad, new, capacity, rotary_cos, Lq,
                              causal or tuple(window_size) != (-1, -1))
-    positions = seqlens.long()[:, None]
     with torch.no_grad():
+        positions = seqlens.long()[:, None] if rotary_cos is not None or new else None
         if rotary_cos is not None:
             steps = torch.arange(max(Lq, new), device=q.device)
             q_pos = positions + steps[:Lq] if causal or tuple(window_size) != (-1, -1) else positions.expand(B, Lq)
@@ -522,10 +535,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             qh = q.transpose(1, 2)
             window = _check_window(window_size, causal)
             table = block_table if paged else rows[:, None]
-            bounds = torch.stack((leftpad, seqlens + new), dim=1).int()
-            out, lse = ops.decode_kv_cache(qh, k_cache, v_cache, table, bounds, _scale(softmax_scale, D, "softmax_scale"),
-                                           causal, window, _check_softcap(softcap), _check_alibi(alibi_slopes, qh, B),
-                                           num_splits)
+            out, lse = ops.decode_kv_cache(qh, k_cache, v_cache, table, seqlens, leftpad, new,
+                                           _scale(softmax_scale, D, "softmax_scale"), causal, window,
+                                           _check_softcap(softcap), _check_alibi(alibi_slopes, qh, B), num_splits)
             out = out.transpose(1, 2)
             return (out, lse) if return_softmax_lse else out
         out, lse = _gathered_kvcache(q, k_cache, v_cache, block_table, rows, seqlens, leftpad, new, softmax_scale,

@@ -8,14 +8,14 @@ as views, so q/k/v are never copied. Tensors go to the TVM functions directly (D
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
-from dataclasses import replace
 from typing import Optional
 
 import torch
 
-from .spec import BLOCK_MASK_ARGS, VARIANT_ARGS, AttentionSpec
+from .spec import BLOCK_MASK_ARGS, DECODE_ROWS, VARIANT_ARGS, AttentionSpec
 
 _TORCH_TO_TVM = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -82,8 +82,13 @@ def _on_stream(device: torch.device):
     import tvm_ffi
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", index), torch.cuda.current_stream(index).cuda_stream)
-    if index == torch.cuda.current_device():
+    handle = torch.cuda.current_stream(index).cuda_stream
+    current = index == torch.cuda.current_device()
+    if current and handle == 0:  # torch's default stream is TVM's default: no scope needed
+        yield
+        return
+    stream = tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", index), handle)
+    if current:
         with stream:
             yield
     else:
@@ -206,26 +211,39 @@ def _forward_split(kern: dict, q, k, v, out, lse, scale, mod_args) -> None:
 DECODE_CTAS_PER_SM = 4
 
 
-def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                    key_bounds: torch.Tensor, scale: float, causal: bool, window: tuple, softcap: float,
-                    alibi_slopes: Optional[torch.Tensor], num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-KV decode on CUDA, reading the cache in place (schedules/cuda_decode.py): q (B, H,
-    Lq, D) view; caches (pages, page_size, Hk, D); block_table (B, max_pages) and key_bounds
-    (B, 2) int32 (each batch entry's keys are cache positions [start, end)). `num_splits` 0
-    picks the splits from the shape and the device. Returns out (B, H, Lq, D) and lse."""
-    from .spec import DECODE_ROWS
+@functools.lru_cache(maxsize=None)
+def _decode_spec(dtype, head_dim: int, causal: bool, window: tuple, softcap: bool, alibi: bool) -> tuple:
+    """The kv_cache spec of a decode call and its CTAs per SM (cached: decode calls are short)."""
     from .tuning import tuned_knobs
 
+    variants = tuple(name for name, on in (("softcap", softcap), ("alibi", alibi), ("window", window != (-1, -1)))
+                     if on)
+    spec = AttentionSpec(_TORCH_TO_TVM[dtype], head_dim, "bottom_right" if causal else "none", variants=variants,
+                         kv_cache=True)
+    return spec, tuned_knobs("cuda", spec).get("decode_ctas_per_sm", DECODE_CTAS_PER_SM)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    cache_seqlens: torch.Tensor, cache_leftpad: torch.Tensor, new_keys: int, scale: float,
+                    causal: bool, window: tuple, softcap: float, alibi_slopes: Optional[torch.Tensor],
+                    num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV decode on CUDA, reading the cache in place (schedules/cuda_decode.py): q (B, H,
+    Lq, D) view; caches (pages, page_size, Hk, D); block_table (B, max_pages), cache_seqlens
+    and cache_leftpad (B,) int32 (views; zero strides broadcast): batch entry b's keys are
+    cache positions [cache_leftpad[b], cache_seqlens[b] + new_keys). `num_splits` 0 picks the
+    splits from the shape and the device. Returns out (B, H, Lq, D) and lse."""
     B, H, Lq, D = q.shape
     Hk = k_cache.shape[2]
-    spec = replace(spec_for(q, None, "bottom_right" if causal else "none", window, softcap, alibi_slopes),
-                   kv_cache=True)
+    spec, per_sm = _decode_spec(q.dtype, D, causal, window, softcap > 0, alibi_slopes is not None)
     capacity = block_table.shape[1] * k_cache.shape[1]  # keys of the longest possible sequence
-    if num_splits <= 0:  # about decode_ctas_per_sm CTAs (one warp each) per SM
+    if num_splits <= 0:  # waves of decode_ctas_per_sm CTAs (one warp each) per SM, the last one full
         ctas = B * Hk * -(-(H // Hk) * Lq // DECODE_ROWS)
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        per_sm = tuned_knobs("cuda", spec).get("decode_ctas_per_sm", DECODE_CTAS_PER_SM)
-        num_splits = -(-per_sm * sms // ctas)
+        num_splits = max(1, per_sm * _sm_count(q.device) // ctas)
     splits = max(1, min(num_splits, -(-capacity // 16), 256))  # a split has a 16-key tile at least
     o_part = torch.empty((B, H, splits, Lq, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, H, splits, Lq), dtype=torch.float32, device=q.device)
@@ -234,7 +252,8 @@ def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     mod_args = _mod_args(spec, (B, H, Lq, capacity), None, window, softcap, alibi_slopes)
     kern = _kernels(spec, q.device)
     with _on_stream(q.device):
-        kern["decode"](q, k_cache, v_cache, block_table, key_bounds, o_part, lse_part, scale, *mod_args)
+        kern["decode"](q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, o_part, lse_part,
+                       scale, *mod_args)
         kern["decode_combine"](o_part, lse_part, out, lse)
     return out, lse
 

@@ -3,13 +3,15 @@ the machine they are for (TVM runtime only), record the fastest per spec in
 `tuning_logs/<target>/knobs.json`, which every later build reads. Targets: `cuda` (the H100;
 nvcc here) and `avx512` (the Sapphire Rapids Xeon, 16 threads).
 
-    python -m tvmflash.tune build DIR [forward|backward] [cuda|avx512]  # DIR/<spec>/<knobs>.so + index
+    python -m tvmflash.tune build DIR [forward|backward|decode] [cuda|avx512]  # DIR/<spec>/<knobs>.so + index
     python -m tvmflash.tune time DIR      # on the target machine: DIR/timings.json
     python -m tvmflash.tune record DIR    # here: best knobs -> tuning_logs/<target>/knobs.json
 
 The forward and the backward have separate knobs and are tuned as separate phases: a
 candidate varies one phase's knobs (the other's stay at their record) and is timed on that
-phase's kernels; the record keeps the best of each phase.
+phase's kernels; the record keeps the best of each phase. The `decode` phase (CUDA) tunes the
+split-KV decode kernel of kv_cache specs, and with it the launch's CTAs per SM (which sets the
+automatic num_splits): each module is timed at every DECODE_CTAS_PER_SM value.
 
 The CUDA kernels are TIRx native kernels generated from Python knobs, which MetaSchedule traces
 cannot describe (see the GPU cookbook). The CPU knobs are MetaSchedule decisions
@@ -32,7 +34,10 @@ TUNED_SPECS = {
     "cuda": [AttentionSpec(dt, d, causal=c) for dt, d, c in itertools.product(
         ("float16", "bfloat16"), (64, 128), ("none", "top_left", "bottom_right"))],
     "avx512": [AttentionSpec(dt, d) for dt, d in itertools.product(("float32", "bfloat16"), (64, 128))],
+    "decode": [AttentionSpec(dt, d, kv_cache=True) for dt, d in itertools.product(("float16", "bfloat16"), (64, 128))],
 }
+DECODE_CTAS_PER_SM = (2, 3, 4, 6, 8)
+DECODE_SEQLENS = (8192, 32768)  # B=16, H=32, Hk=8, one query, pages of 16 keys
 CPU_BLOCKS = [(64, 64), (64, 128), (128, 64), (128, 128), (32, 64), (64, 32), (32, 128), (256, 128)]  # (block_q, block_k)
 CPU_REGISTER_TILES = [(8, 2), (4, 4), (4, 2)]  # (rows, zmm vectors per row) of the FMA matmuls
 CPU_PHASE_KERNELS = {"forward": ("forward", "forward_pack"),
@@ -51,6 +56,9 @@ def candidates(spec: AttentionSpec, phase: str = "forward", arch: str = "sm_90a"
     row_bytes = (spec.head_dim + 8) * 2
     out = []
     d = spec.head_dim
+    if phase == "decode":
+        return [{"decode_block_n": bn, "decode_stages": st} for bn, st in itertools.product((16, 32, 64), (2, 3, 4))
+                if (16 + 2 * st * bn) * row_bytes <= SMEM_LIMIT]
     if phase == "forward" and cuda_forward_wgmma.supports(spec, arch):
         for bn, wg in itertools.product((64, 128), (1, 2)):
             if (64 * wg + 4 * bn) * d * 2 <= SMEM_LIMIT:  # Q + two K and two V tiles
@@ -105,11 +113,11 @@ def build(out_dir: Path, phase: str = "forward", kind: str = "cuda") -> None:
 
     target = cuda_target("sm_90a") if kind == "cuda" else AVX512_TARGET
     index = []
-    for spec in TUNED_SPECS[kind]:
+    for spec in TUNED_SPECS["decode" if phase == "decode" else kind]:
         for knobs in candidates(spec, phase) if kind == "cuda" else cpu_candidates(spec, phase):
             lib = out_dir / spec.name / f"{_tag(knobs)}.so"
             lib.parent.mkdir(parents=True, exist_ok=True)
-            build_module(spec, target, knobs, only=CPU_PHASE_KERNELS[phase]).export_library(str(lib))
+            build_module(spec, target, knobs, only=CPU_PHASE_KERNELS.get(phase)).export_library(str(lib))
             index.append({"spec": spec.to_dict(), "target": kind, "phase": phase, "knobs": knobs,
                           "lib": str(lib.relative_to(out_dir))})
             print(f"built {spec.name} {knobs}", flush=True)
@@ -134,6 +142,9 @@ def time_candidates(out_dir: Path) -> None:
         module = _load(out_dir / entry["lib"], {"kind": "cuda" if kind == "cuda" else "llvm"})
         kern = {name: module[name] for name in _PHASE_FUNCS[kind]
                 if module.implements_function(name, query_imports=True)}
+        if entry.get("phase") == "decode":
+            results += _time_decode(entry, kern, spec)
+            continue
         backward = entry.get("phase") == "backward"
         time_one = _time_one if kind == "cuda" else _time_one_cpu
         per_length = {L: time_one(kern, spec, L, backward) for L in SEQLENS}
@@ -147,8 +158,53 @@ def time_candidates(out_dir: Path) -> None:
     (out_dir / "timings.json").write_text(json.dumps(results, indent=1))
 
 
+def _time_decode(entry: dict, kern: dict, spec: AttentionSpec) -> list[dict]:
+    """A decode candidate at every DECODE_CTAS_PER_SM: ms (geomean over DECODE_SEQLENS) and
+    the K/V bandwidth reached, one result each."""
+    import math
+
+    import torch
+
+    from . import ops
+
+    b, h, hk, d = 16, 32, 8, spec.head_dim
+    dt = getattr(torch, spec.dtype)
+    results = []
+    for per_sm in DECODE_CTAS_PER_SM:
+        per_length = {}
+        for length in DECODE_SEQLENS:
+            q = torch.randn(b, h, 1, d, device="cuda", dtype=dt)
+            k, v = (torch.randn(b * length // 16, 16, hk, d, device="cuda", dtype=dt) for _ in range(2))
+            table = torch.randperm(b * length // 16, device="cuda").view(b, -1).to(torch.int32)
+            seqlens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+            splits = max(1, per_sm * ops._sm_count(q.device) // (b * hk))
+            o_part = torch.empty(b, h, splits, 1, d, device="cuda")
+            lse_part = torch.empty(b, h, splits, 1, device="cuda")
+            out, lse = torch.empty_like(q), torch.empty(b, h, 1, device="cuda")
+            starts = torch.zeros_like(seqlens)
+
+            def call():
+                kern["decode"](q, k, v, table, seqlens, starts, 0, o_part, lse_part, d ** -0.5)
+                kern["decode_combine"](o_part, lse_part, out, lse)
+            call()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                call()
+            end.record()
+            torch.cuda.synchronize()
+            per_length[length] = start.elapsed_time(end) / 20
+        ms = math.prod(per_length.values()) ** (1 / len(per_length))
+        rate = {L: 2 * b * hk * L * d * 2 / (t * 1e-3) / 1e12 for L, t in per_length.items()}
+        results.append({**entry, "knobs": {**entry["knobs"], "decode_ctas_per_sm": per_sm}, "ms": ms,
+                        "ms_per_seqlen": per_length, "tbps": rate})
+        print(f"{spec.name} {results[-1]['knobs']}: " + ", ".join(f"L={L} {r:.2f} TB/s" for L, r in rate.items()),
+              flush=True)
+    return results
+
+
 _PHASE_FUNCS = {"cuda": ("forward", "backward_prep", "backward_dkdv_dq", "backward_dq_convert", "backward_dkdv",
-                         "backward_dq"),
+                         "backward_dq", "decode", "decode_combine"),
                 "avx512": tuple(dict.fromkeys(sum(CPU_PHASE_KERNELS.values(), ())))}
 
 
@@ -253,7 +309,7 @@ def record(out_dir: Path) -> None:
         records = json.loads(path.read_text()) if path.exists() else {}
         for (_, name, phase), r in sorted(item for item in best.items() if item[0][0] == kind):
             records[name] = {**records.get(name, {}), **r["knobs"]}
-            print(f"{kind} {name} {phase}: {r['knobs']} {r.get('tflops') or r.get('gflops')}")
+            print(f"{kind} {name} {phase}: {r['knobs']} {r.get('tflops') or r.get('gflops') or r.get('tbps')}")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(records, indent=1, sort_keys=True) + "\n")
 
