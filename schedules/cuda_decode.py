@@ -110,7 +110,8 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         l = T.alloc_local([2], F32)
         mx = T.alloc_local([1], F32)
         alpha = T.alloc_local([2], F32)
-        key = T.alloc_local([3], "int64")  # the sequence's first cache position, its key count, a page
+        key = T.alloc_local([2], "int64")  # the sequence's first cache position, its key count
+        where = T.alloc_local([BN // 16 * 2], "int32")  # the next tile to fetch: (page, row in it) per 16 keys
         tiles = T.alloc_local([2], "int64")  # this split's first tile and tile count
         pw = p.view("uint32")
         key[0] = T.Cast("int64", bounds[1][b])
@@ -132,22 +133,32 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         copy_tile(pool, 0, lambda r, c: Q.ptr_to([b, head(r), qi(r), c]), lambda r: r0 + r < G * LQ, ROWS, D, lane, 32)
 
         @T.inline
-        def fetch(j):  # tile j of the split into ring buffer j % ST, 16 keys (one page) at a time
-            t0 = T.meta_var((tiles[0] + j) * BN)
+        def look_up(j):
+            # tile j's pages and rows in them into `where`: a load whose latency the next tile's
+            # compute hides (fetched at once, the table load stalled every tile's copies)
             for u in T.unroll(BN // 16):
-                pos = T.meta_var(t0 + u * 16)
-                key[2] = T.Cast("int64", TABLE[b, T.min(pos // PG, MP - 1)])
-                key[2] = T.min(T.max(key[2], T.int64(0)), NP - 1)
+                pos = T.meta_var(T.Cast("int32", (tiles[0] + j) * BN + u * 16))
+                page = T.meta_var(TABLE[b, T.min(pos // T.Cast("int32", PG), T.Cast("int32", MP) - 1)])
+                where[u * 2] = T.min(T.max(page, 0), T.Cast("int32", NP) - 1)
+                where[u * 2 + 1] = pos % T.Cast("int32", PG)
+
+        @T.inline
+        def fetch(j):  # tile j (looked up) into ring buffer j % ST, 16 keys (one page) at a time
+            for u in T.unroll(BN // 16):
+                pos = T.meta_var((tiles[0] + j) * BN + u * 16)
+                page, prow = T.meta_var((T.Cast("int64", where[u * 2]), T.Cast("int64", where[u * 2 + 1])))
                 inside = T.meta_var(lambda r: tirx.all(pos + r >= key[0], pos + r < key[0] + key[1]))
-                copy_tile(pool, K_ROW + j % ST * BN + u * 16, lambda r, c: K.ptr_to([key[2], pos % PG + r, hk, c]),
+                copy_tile(pool, K_ROW + j % ST * BN + u * 16, lambda r, c: K.ptr_to([page, prow + r, hk, c]),
                           inside, 16, D, lane, 32)
-                copy_tile(pool, V_ROW + j % ST * BN + u * 16, lambda r, c: V.ptr_to([key[2], pos % PG + r, hk, c]),
+                copy_tile(pool, V_ROW + j % ST * BN + u * 16, lambda r, c: V.ptr_to([page, prow + r, hk, c]),
                           inside, 16, D, lane, 32)
 
         for j in T.unroll(T.int64(ST - 1)):
+            look_up(j)
             if j < tiles[1]:
                 fetch(j)
             T.ptx["cp.async.commit_group"]()
+        look_up(T.int64(ST - 1))
         for i in T.unroll(ND * 4):
             o[i] = T.float32(0)
         for i in T.unroll(2):
@@ -159,6 +170,7 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             if j + ST - 1 < tiles[1]:
                 fetch(j + ST - 1)
             T.ptx["cp.async.commit_group"]()
+            look_up(j + ST)  # for the next iteration's fetch
             T.ptx["cp.async.wait_group"](ST - 1)
             T.cuda.cta_sync()
             if j == 0:

@@ -504,44 +504,46 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                          f"head_dim ({D}), got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
     in_place = (q.is_cuda and Lq <= DECODE_MAX_QUERIES and q.dtype != torch.float32 and D % 16 == 0
                 and k_cache.shape[2] > 0 and H % k_cache.shape[2] == 0)
+    zeros = _zeros_int32(q.device).expand(B)
     if isinstance(cache_seqlens, torch.Tensor):
-        seqlens = cache_seqlens
-    else:  # one value for every batch entry: a broadcast view
-        seqlens = torch.full((1,), capacity if cache_seqlens is None else cache_seqlens, dtype=torch.int32,
-                             device=q.device).expand(B)
-    leftpad = _zeros_int32(q.device).expand(B) if leftpad is None else leftpad
-    if rows is None:
+        seqlens, length = cache_seqlens, 0
+    else:  # one length for every batch entry: a scalar added to zero per-batch lengths (no tensor to make)
+        seqlens, length = zeros, capacity if cache_seqlens is None else cache_seqlens
+    leftpad = zeros if leftpad is None else leftpad
+    if rows is None and not paged:
         rows = _arange_int32(B, q.device)
     if not in_place:
-        _check_cache_indices(k_cache, block_table, rows, seqlens, leftpad, new, capacity, rotary_cos, Lq,
+        _check_cache_indices(k_cache, block_table, rows, seqlens + length, leftpad, new, capacity, rotary_cos, Lq,
                              causal or tuple(window_size) != (-1, -1))
-    with torch.no_grad():
-        positions = seqlens.long()[:, None] if rotary_cos is not None or new else None
-        if rotary_cos is not None:
-            steps = torch.arange(max(Lq, new), device=q.device)
-            q_pos = positions + steps[:Lq] if causal or tuple(window_size) != (-1, -1) else positions.expand(B, Lq)
-            q = _rotate(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
-            if k is not None:
-                k = _rotate(k, rotary_cos, rotary_sin, positions + steps[:new], rotary_interleaved)
-        if new:  # append in place
-            at = positions + torch.arange(new, device=q.device)  # (B, new) absolute positions
-            if paged:
-                where = (block_table.long().gather(1, at // page), at % page)
-            else:
-                where = (rows.long()[:, None].expand(B, new), at)
-            k_cache[where] = k
-            v_cache[where] = v
-        if in_place:
-            qh = q.transpose(1, 2)
-            window = _check_window(window_size, causal)
-            table = block_table if paged else rows[:, None]
-            out, lse = ops.decode_kv_cache(qh, k_cache, v_cache, table, seqlens, leftpad, new,
-                                           _scale(softmax_scale, D, "softmax_scale"), causal, window,
-                                           _check_softcap(softcap), _check_alibi(alibi_slopes, qh, B), num_splits)
-            out = out.transpose(1, 2)
-            return (out, lse) if return_softmax_lse else out
-        out, lse = _gathered_kvcache(q, k_cache, v_cache, block_table, rows, seqlens, leftpad, new, softmax_scale,
-                                     causal, window_size, softcap, alibi_slopes)
+    if rotary_cos is not None or new:
+        with torch.no_grad():
+            positions = seqlens.long()[:, None] + length  # where the new tokens go
+            if rotary_cos is not None:
+                steps = torch.arange(max(Lq, new), device=q.device)
+                q_pos = positions + steps[:Lq] if causal or tuple(window_size) != (-1, -1) else positions.expand(B, Lq)
+                q = _rotate(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
+                if k is not None:
+                    k = _rotate(k, rotary_cos, rotary_sin, positions + steps[:new], rotary_interleaved)
+            if new:  # append in place
+                at = positions + torch.arange(new, device=q.device)  # (B, new) absolute positions
+                if paged:
+                    where = (block_table.long().gather(1, at // page), at % page)
+                else:
+                    where = (rows.long()[:, None].expand(B, new), at)
+                k_cache[where] = k
+                v_cache[where] = v
+    if in_place:
+        qh = q.transpose(1, 2)
+        table = block_table if paged else rows[:, None]
+        out, lse = ops.decode_kv_cache(qh, k_cache, v_cache, table, seqlens, leftpad, length + new,
+                                       _scale(softmax_scale, D, "softmax_scale"), causal,
+                                       _check_window(window_size, causal), _check_softcap(softcap),
+                                       _check_alibi(alibi_slopes, qh, B), num_splits)
+        out = out.transpose(1, 2)
+    else:
+        with torch.no_grad():
+            out, lse = _gathered_kvcache(q, k_cache, v_cache, block_table, rows, seqlens + length, leftpad, new,
+                                         softmax_scale, causal, window_size, softcap, alibi_slopes)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -570,7 +572,7 @@ def _gathered_kvcache(q, k_cache, v_cache, block_table, rows, seqlens, leftpad, 
     gathered into one packed tensor (out (B, Lq, H, D), lse (B, H, Lq))."""
     B, Lq, H, D = q.shape
     ends = (seqlens + new).tolist()
-    starts, rows = leftpad.tolist(), rows.tolist()
+    starts, rows = leftpad.tolist(), None if rows is None else rows.tolist()
 
     def used(cache, b):
         if block_table is not None:

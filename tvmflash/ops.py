@@ -73,16 +73,16 @@ def _kernels(spec: AttentionSpec, device: torch.device) -> dict:
 
 
 @contextlib.contextmanager
-def _on_stream(device: torch.device):
+def _on_stream(device: torch.device, stream: Optional[torch.cuda.Stream] = None):
     """Scope for TVM kernel launches: on CUDA they go to torch's current stream of `device`
-    (one scope per op: entering it costs tens of microseconds)."""
+    (`stream` if the caller has it; one scope per op: entering it costs tens of microseconds)."""
     if device.type != "cuda":
         yield
         return
     import tvm_ffi
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    handle = torch.cuda.current_stream(index).cuda_stream
+    handle = (stream or torch.cuda.current_stream(index)).cuda_stream
     current = index == torch.cuda.current_device()
     if current and handle == 0:  # torch's default stream is TVM's default: no scope needed
         yield
@@ -245,17 +245,41 @@ def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         ctas = B * Hk * -(-(H // Hk) * Lq // DECODE_ROWS)
         num_splits = max(1, per_sm * _sm_count(q.device) // ctas)
     splits = max(1, min(num_splits, -(-capacity // 16), 256))  # a split has a 16-key tile at least
-    o_part = torch.empty((B, H, splits, Lq, D), dtype=torch.float32, device=q.device)
-    lse_part = torch.empty((B, H, splits, Lq), dtype=torch.float32, device=q.device)
+    stream = torch.cuda.current_stream(q.device)
+    o_part, lse_part = _decode_scratch((B, H, splits, Lq, D), q.device, stream.cuda_stream)
     out = torch.empty((B, Lq, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
-    mod_args = _mod_args(spec, (B, H, Lq, capacity), None, window, softcap, alibi_slopes)
+    mod_args = _mod_args(spec, (B, H, Lq, capacity), None, window, softcap, alibi_slopes) if spec.variants else ()
     kern = _kernels(spec, q.device)
-    with _on_stream(q.device):
+
+    def launch():
         kern["decode"](q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, o_part, lse_part,
                        scale, *mod_args)
         kern["decode_combine"](o_part, lse_part, out, lse)
+    if stream.cuda_stream == 0 and q.device.index == torch.cuda.current_device():
+        launch()  # torch's default stream is TVM's: no scope (its few microseconds matter here)
+    else:
+        with _on_stream(q.device, stream):
+            launch()
     return out, lse
+
+
+_decode_scratches: dict = {}
+
+
+def _decode_scratch(shape: tuple, device: torch.device, stream: int) -> tuple:
+    """The split partials (o_part of `shape`, lse_part), kept per device, stream and shape: a
+    decode call is tens of microseconds, and two fresh tensors a call cost a few. Calls on one
+    stream run in order, so reuse is safe; the last shapes stay allocated (a few MB)."""
+    key = (shape, device, stream)
+    scratch = _decode_scratches.get(key)
+    if scratch is None:
+        if len(_decode_scratches) > 16:
+            _decode_scratches.clear()
+        scratch = (torch.empty(shape, dtype=torch.float32, device=device),
+                   torch.empty(shape[:-1], dtype=torch.float32, device=device))
+        _decode_scratches[key] = scratch
+    return scratch
 
 
 def _amx_packs(kern: dict, k: torch.Tensor, v: torch.Tensor) -> tuple:
