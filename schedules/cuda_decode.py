@@ -20,6 +20,7 @@ split writes its rows' O / l and lse (fp32); `decode_combine` merges them by lse
 Knobs (`DEFAULTS`):
     decode_block_n     keys per K/V tile (a multiple of 16)
     decode_stages      ring buffers (2 .. 4)
+    decode_l2_prefetch L2 prefetch size of the K/V copies in bytes (0: none, 64, 128, 256)
 (and `decode_ctas_per_sm`, read by ops.decode_kv_cache: the automatic num_splits aims at about
 that many CTAs per SM)
 """
@@ -33,10 +34,10 @@ from tvmflash.kernels.score_mods import ScoreIndex, ScorePipeline
 from tvmflash.spec import DECODE_ROWS as ROWS
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (LN2, PAD, copy_tile, load_a, load_b, load_b_trans, mma_16x16, mma_op, rescale_rows, smem_scope,
+from .cuda_mma import (CP_ASYNC, LN2, PAD, copy_tile, load_a, load_b, load_b_trans, mma_16x16, mma_op, rescale_rows, smem_scope,
                        softmax_tile, to_a_fragments)
 
-DEFAULTS = {"decode_block_n": 32, "decode_stages": 3}
+DEFAULTS = {"decode_block_n": 32, "decode_stages": 3, "decode_l2_prefetch": 256}
 
 
 def supports(spec: AttentionSpec) -> bool:
@@ -71,6 +72,7 @@ def declare_decode_args(spec: AttentionSpec, shape: Shape, pages: tuple, splits:
 def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     D, dt = spec.head_dim, spec.dtype
     BN, ST = knobs["decode_block_n"], knobs["decode_stages"]
+    COPY = CP_ASYNC + (f".L2::{knobs['decode_l2_prefetch']}B" if knobs["decode_l2_prefetch"] else "")
     if not supports(spec):
         raise ValueError(f"the CUDA decode kernel does not compute {spec}")
     if BN % 16 or not 16 <= BN <= 128 or ST not in (2, 3, 4):
@@ -149,9 +151,9 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                 page, prow = T.meta_var((T.Cast("int64", where[u * 2]), T.Cast("int64", where[u * 2 + 1])))
                 inside = T.meta_var(lambda r: tirx.all(pos + r >= key[0], pos + r < key[0] + key[1]))
                 copy_tile(pool, K_ROW + j % ST * BN + u * 16, lambda r, c: K.ptr_to([page, prow + r, hk, c]),
-                          inside, 16, D, lane, 32)
+                          inside, 16, D, lane, 32, COPY)
                 copy_tile(pool, V_ROW + j % ST * BN + u * 16, lambda r, c: V.ptr_to([page, prow + r, hk, c]),
-                          inside, 16, D, lane, 32)
+                          inside, 16, D, lane, 32, COPY)
 
         for j in T.unroll(T.int64(ST - 1)):
             look_up(j)

@@ -21,6 +21,7 @@ from tvmflash.kernels.score_mods import ScoreIndex
 LN2 = math.log(2.0)
 PAD = 8  # elements of padding per shared-memory row
 LDM = "ldmatrix.sync.aligned.m8n8.x4.shared.b16"
+CP_ASYNC = "cp.async.cg.shared.global"
 LDM_T = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"
 
 
@@ -67,17 +68,18 @@ def advance(walk, cur, nxt):
 
 
 @T.inline
-def copy_tile(pool, pool_row0, address, valid, nrows, width, tid, nthreads):
+def copy_tile(pool, pool_row0, address, valid, nrows, width, tid, nthreads, op=CP_ASYNC):
     """nrows x width elements into pool rows pool_row0.. with `cp.async` (16 bytes a thread):
     row r's from the pointer address(r, col), which must stay in bounds; rows where valid(r)
-    fails are zero-filled (source size 0)."""
+    fails are zero-filled (source size 0). `op`: CP_ASYNC, or it with an L2 prefetch size
+    (CP_ASYNC + ".L2::256B")."""
     for it in T.unroll((nrows * width // 8 + nthreads - 1) // nthreads):
         c = T.meta_var(tid + it * nthreads)
         r = T.meta_var(c // (width // 8))
         cc = T.meta_var(c % (width // 8) * 8)
         if nrows * width // 8 % nthreads == 0 or c < nrows * width // 8:
-            T.ptx["cp.async.cg.shared.global"](pool.ptr_to([pool_row0 + r, cc]), address(r, cc), 16,
-                                               T.Select(valid(r), T.uint32(16), T.uint32(0)))
+            T.ptx[op](pool.ptr_to([pool_row0 + r, cc]), address(r, cc), 16,
+                      T.Select(valid(r), T.uint32(16), T.uint32(0)))
 
 
 @T.inline

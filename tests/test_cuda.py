@@ -28,6 +28,7 @@ BUILD_SPECS = [AttentionSpec("float16", d) for d in (32, 64, 80, 96, 128, 192, 2
     AttentionSpec("bfloat16", 128, causal="bottom_right"),
     AttentionSpec("float16", 64, causal="top_left", mask="bool"),
     AttentionSpec("bfloat16", 64, mask="additive"),
+    AttentionSpec("bfloat16", 128, causal="bottom_right", variants=("window",), kv_cache=True),  # decode kernels
 ]
 
 

@@ -94,3 +94,15 @@ def test_cpu_specs_without_a_record_take_the_plain_specs():
     assert tuned_knobs("avx512", AttentionSpec("bfloat16", 64, causal="bottom_right", mask="bool")) == plain
     assert tuned_knobs("avx512", AttentionSpec("bfloat16", 80)) == {}  # other head dims: defaults
     assert tuned_knobs("cuda", AttentionSpec("bfloat16", 64, mask="bool")) == {}  # CUDA: exact records only
+
+
+def test_decode_candidates_and_records():
+    from tvmflash.tuning import tuned_knobs
+
+    cands = tune.candidates(AttentionSpec("bfloat16", 128, kv_cache=True), "decode")
+    assert cands and all(set(c) == {"decode_block_n", "decode_stages", "decode_l2_prefetch"} for c in cands)
+    assert all((16 + 2 * c["decode_stages"] * c["decode_block_n"]) * (128 + 8) * 2 <= tune.SMEM_LIMIT for c in cands)
+    # a causal / windowed decode spec takes the plain decode record (tuning_logs/cuda/knobs.json has it)
+    plain = tuned_knobs("cuda", AttentionSpec("bfloat16", 128, kv_cache=True))
+    assert "decode_ctas_per_sm" in plain
+    assert tuned_knobs("cuda", AttentionSpec("bfloat16", 128, "bottom_right", variants=("window",), kv_cache=True)) == plain

@@ -57,7 +57,8 @@ def candidates(spec: AttentionSpec, phase: str = "forward", arch: str = "sm_90a"
     out = []
     d = spec.head_dim
     if phase == "decode":
-        return [{"decode_block_n": bn, "decode_stages": st} for bn, st in itertools.product((16, 32, 64), (2, 3, 4))
+        return [{"decode_block_n": bn, "decode_stages": st, "decode_l2_prefetch": pf}
+                for bn, st, pf in itertools.product((16, 32, 64), (2, 3), (0, 256))
                 if (16 + 2 * st * bn) * row_bytes <= SMEM_LIMIT]
     if phase == "forward" and cuda_forward_wgmma.supports(spec, arch):
         for bn, wg in itertools.product((64, 128), (1, 2)):
