@@ -459,6 +459,8 @@ def _gradients(ctx, dout, dlse):
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, dlse, mask, ctx.scale, ctx.causal,
                                     ctx.deterministic, *ctx.window, ctx.softcap, alibi_slopes, ctx.dropout_p,
                                     dropout_rng, *(seqlens or _NO_SEQLENS))
+    # the operator has no seqlens-list / flex / flex_captures arguments (the eager path's last
+    # three): its row tables come as the two _NO_SEQLENS tensors instead
     return dq, dk, dv, *_NO_GRADS[:-3], *_NO_SEQLENS
 
 

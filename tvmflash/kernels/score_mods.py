@@ -227,10 +227,11 @@ class Varlen(ScoreMod):
 
     is_mask = True
     arg_names = ("varlen_q_rows", "varlen_k_rows")
+    ROW_VALUES = 5  # fields per table row
 
     def bind(self, args, shape):
-        return _BoundVarlen(args.tensor("varlen_q_rows", (shape.seqlen_q, 5), "int32"),
-                            args.tensor("varlen_k_rows", (shape.seqlen_k, 5), "int32"), shape)
+        return _BoundVarlen(args.tensor("varlen_q_rows", (shape.seqlen_q, self.ROW_VALUES), "int32"),
+                            args.tensor("varlen_k_rows", (shape.seqlen_k, self.ROW_VALUES), "int32"), shape)
 
 
 @dataclass(frozen=True)
@@ -248,9 +249,7 @@ class _BoundVarlen(Varlen):
         """The shape of row i's sequence (rows: which table; queries: whether it is q_rows)."""
         own, other = self._field(rows, i, 2), self._field(rows, i, 4)
         lq, lk = (own, other) if queries else (other, own)
-        return Shape(self.shape.batch, self.shape.heads, self.shape.heads_k, lq, lk)
-
-    ROW_VALUES = 5
+        return replace(self.shape, seqlen_q=lq, seqlen_k=lk)
 
     def row_value(self, q_idx, c):
         """The query row's table field c (an int32 load), for kernels to load once per row."""
@@ -263,7 +262,7 @@ class _BoundVarlen(Varlen):
         else:
             q = lambda c: self._field(self.q_rows, ix.q_idx, c)  # noqa: E731
         local = ScoreIndex(q(0), ix.h, ix.q_idx - q(1), ix.kv_idx - q(3))
-        return local, Shape(self.shape.batch, self.shape.heads, self.shape.heads_k, q(2), q(4))
+        return local, replace(self.shape, seqlen_q=q(2), seqlen_k=q(4))
 
     @staticmethod
     def keeps(ix: ScoreIndex, shape: Shape):
