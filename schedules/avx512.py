@@ -52,7 +52,7 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
     from .amx_forward import amx_supported, forward_amx_kernel, forward_amx_pack_kernel
 
     funcs = host.kernels(spec, target, knobs)
-    if has_amx(target) and amx_supported(spec):
+    if has_amx(target) and amx_supported(spec) and not spec.kv_cache:
         funcs["forward"] = forward_amx_kernel(spec, knobs["block_q"], knobs["block_k"], AMX_KV_PAD)
         funcs["forward_pack"] = forward_amx_pack_kernel(spec, AMX_KV_PAD)
         for plan in ("fused", "dkdv", "dq"):

@@ -30,7 +30,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmflash.kernels.common import F32, NEG_INF, KernelArgs, Shape
-from tvmflash.kernels.score_mods import ScoreIndex, ScorePipeline
+from tvmflash.kernels.decode import PAGE_ALIGN, declare_decode_args
+from tvmflash.kernels.score_mods import ScoreIndex
 from tvmflash.spec import DECODE_ROWS as ROWS
 from tvmflash.spec import AttentionSpec
 
@@ -47,35 +48,13 @@ def supports(spec: AttentionSpec) -> bool:
             and not spec.flex and set(spec.variants) <= {"softcap", "alibi", "window"})
 
 
-def declare_decode_args(spec: AttentionSpec, shape: Shape, pages: tuple, splits: tirx.Var):
-    """q (B, H, Lq, D); k_cache, v_cache (num_pages, page_size, Hk, D); block_table (B,
-    max_pages), cache_seqlens and cache_leftpad (B,) int32 and new_keys (int64): batch entry
-    b's keys are cache positions [cache_leftpad[b], cache_seqlens[b] + new_keys); o_part (B, H, splits, Lq, D) and lse_part (B, H, splits, Lq) fp32; scale;
-    then the score modifiers' arguments. Returns them and the bound ScorePipeline."""
-    B, H, HK, LQ = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q
-    NP, PG, MP = pages
-    D, dt = spec.head_dim, spec.dtype
-    args = KernelArgs()
-    q = args.tensor("q", (B, H, LQ, D), dt)
-    k = args.tensor("k_cache", (NP, PG, HK, D), dt)
-    v = args.tensor("v_cache", (NP, PG, HK, D), dt)
-    table = args.tensor("block_table", (B, MP), "int32", unit_last_stride=False)
-    seqlens = args.tensor("cache_seqlens", (B,), "int32", unit_last_stride=False)
-    leftpad = args.tensor("cache_leftpad", (B,), "int32", unit_last_stride=False)
-    new_keys = args.scalar("new_keys", "int64")
-    o = args.tensor("o_part", (B, H, splits, LQ, D), F32)
-    lse = args.tensor("lse_part", (B, H, splits, LQ), F32)
-    scale = args.scalar("scale")
-    return q, k, v, table, (seqlens, leftpad, new_keys), o, lse, scale, ScorePipeline(spec.modifiers(), args, shape)
-
-
 def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     D, dt = spec.head_dim, spec.dtype
     BN, ST = knobs["decode_block_n"], knobs["decode_stages"]
     COPY = CP_ASYNC + (f".L2::{knobs['decode_l2_prefetch']}B" if knobs["decode_l2_prefetch"] else "")
     if not supports(spec):
         raise ValueError(f"the CUDA decode kernel does not compute {spec}")
-    if BN % 16 or not 16 <= BN <= 128 or ST not in (2, 3, 4):
+    if BN % PAGE_ALIGN or not 16 <= BN <= 128 or ST not in (2, 3, 4):
         raise ValueError(f"bad decode knobs: block_n {BN} (a multiple of 16 up to 128), stages {ST} (2 .. 4)")
     MMA = mma_op(dt)
     NS, ND = BN // 8, D // 8
@@ -84,14 +63,12 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
 
     shape = Shape.fresh()
     B, H, HK, LQ = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q
-    pages = tuple(tirx.Var(n, "int64") for n in ("num_pages", "page_size", "max_pages"))
-    NP, PG, MP = pages
     S = tirx.Var("splits", "int64")
 
     @T.prim_func
     def decode():
         T.func_attr({"tirx.noalias": True})
-        Q, K, V, TABLE, bounds, O, LSE, scale, score_all = T.meta_var(declare_decode_args(spec, shape, pages, S))
+        Q, K, V, cache, O, LSE, scale, score_all = T.meta_var(declare_decode_args(spec, shape, S))
         T.device_entry()
         G = T.meta_var(H // HK)
         NRB = T.meta_var((G * LQ + ROWS - 1) // ROWS)
@@ -113,11 +90,11 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         mx = T.alloc_local([1], F32)
         alpha = T.alloc_local([2], F32)
         key = T.alloc_local([2], "int64")  # the sequence's first cache position, its key count
-        where = T.alloc_local([BN // 16 * 2], "int32")  # the next tile to fetch: (page, row in it) per 16 keys
+        where = T.alloc_local([BN // PAGE_ALIGN * 2], "int32")  # the next tile to fetch: (page, row) per page run
         tiles = T.alloc_local([2], "int64")  # this split's first tile and tile count
         pw = p.view("uint32")
-        key[0] = T.Cast("int64", bounds[1][b])
-        key[1] = T.max(T.Cast("int64", bounds[0][b]) + bounds[2] - key[0], T.int64(0))
+        key[0] = cache.start(b)
+        key[1] = cache.count(b)
         # the pipeline in the sequence's coordinates: key j is cache position key[0] + j
         score = T.meta_var(score_all.in_sequence(LQ, key[1]))
         row = T.meta_var(lambda r: T.min(r0 + r, G * LQ - 1))  # padding rows repeat the last row
@@ -138,22 +115,21 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         def look_up(j):
             # tile j's pages and rows in them into `where`: a load whose latency the next tile's
             # compute hides (fetched at once, the table load stalled every tile's copies)
-            for u in T.unroll(BN // 16):
-                pos = T.meta_var(T.Cast("int32", (tiles[0] + j) * BN + u * 16))
-                page = T.meta_var(TABLE[b, T.min(pos // T.Cast("int32", PG), T.Cast("int32", MP) - 1)])
-                where[u * 2] = T.min(T.max(page, 0), T.Cast("int32", NP) - 1)
-                where[u * 2 + 1] = pos % T.Cast("int32", PG)
+            for u in T.unroll(BN // PAGE_ALIGN):
+                pos = T.meta_var((tiles[0] + j) * BN + u * PAGE_ALIGN)
+                where[u * 2] = cache.page(b, pos)
+                where[u * 2 + 1] = cache.row(pos)
 
         @T.inline
-        def fetch(j):  # tile j (looked up) into ring buffer j % ST, 16 keys (one page) at a time
-            for u in T.unroll(BN // 16):
-                pos = T.meta_var((tiles[0] + j) * BN + u * 16)
+        def fetch(j):  # tile j (looked up) into ring buffer j % ST, PAGE_ALIGN keys (one page) at a time
+            for u in T.unroll(BN // PAGE_ALIGN):
+                pos = T.meta_var((tiles[0] + j) * BN + u * PAGE_ALIGN)
                 page, prow = T.meta_var((T.Cast("int64", where[u * 2]), T.Cast("int64", where[u * 2 + 1])))
                 inside = T.meta_var(lambda r: tirx.all(pos + r >= key[0], pos + r < key[0] + key[1]))
-                copy_tile(pool, K_ROW + j % ST * BN + u * 16, lambda r, c: K.ptr_to([page, prow + r, hk, c]),
-                          inside, 16, D, lane, 32, COPY)
-                copy_tile(pool, V_ROW + j % ST * BN + u * 16, lambda r, c: V.ptr_to([page, prow + r, hk, c]),
-                          inside, 16, D, lane, 32, COPY)
+                copy_tile(pool, K_ROW + j % ST * BN + u * PAGE_ALIGN, lambda r, c: K.ptr_to([page, prow + r, hk, c]),
+                          inside, PAGE_ALIGN, D, lane, 32, COPY)
+                copy_tile(pool, V_ROW + j % ST * BN + u * PAGE_ALIGN, lambda r, c: V.ptr_to([page, prow + r, hk, c]),
+                          inside, PAGE_ALIGN, D, lane, 32, COPY)
 
         for j in T.unroll(T.int64(ST - 1)):
             look_up(j)

@@ -66,6 +66,9 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
     from ..kernels.decode import forward_combine_kernel, forward_split_kernel
     from ..kernels.forward import forward_kernel
 
+    if spec.kv_cache:  # flash_attn_with_kvcache's decode: the split-KV forward on the cache
+        return {"decode": forward_split_kernel(spec, SPLIT_BLOCK_ROWS, SPLIT_BLOCK_K).with_attr("global_symbol", "decode"),
+                "decode_combine": forward_combine_kernel(spec).with_attr("global_symbol", "decode_combine")}
     bq, bk = knobs["bwd_block_q"], knobs["bwd_block_k"]
     funcs = {
         "forward": forward_kernel(spec, knobs["block_q"], knobs["block_k"]),

@@ -135,6 +135,24 @@ def check_kvcache(layout, causal, window, rotary, lq, new, device="cpu", dtype=t
         assert torch.equal(caches[0][1], caches[2][1])
 
 
+def test_kvcache_decode_reads_the_cache_in_place(monkeypatch):
+    """Lq <= 16 never gathers the cache; splits that see no key (num_splits > the blocks a
+    sequence has) merge to the right answer."""
+    from tvmflash import interface
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("the decode path gathered the cache")
+    monkeypatch.setattr(interface, "_gathered_kvcache", no_gather)
+    check_kvcache("paged48", True, (40, -1), "interleaved", 2, 1, capacity=300, lengths=(100, 0, 290), num_splits=7)
+    check_kvcache("contiguous", False, (-1, -1), None, 1, 0, num_splits=1)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+def test_kvcache_prefill_gathers(layout):
+    """More than 16 queries (a prompt against a cache) run on the varlen kernels."""
+    check_kvcache(layout, True, (-1, -1), "halves", 20, 20)
+
+
 def test_kvcache_bf16_matches_the_dense_function():
     """Without new tokens and with the whole cache, the result is flash_attn_func's."""
     g = torch.Generator().manual_seed(1)

@@ -39,7 +39,7 @@ CPU_KERNELS = ("forward", "backward_delta", "backward_dkdv", "backward_dq",
 CPU_OPTIONAL_KERNELS = ("forward_pack", "backward_pack", "forward_split", "forward_combine")
 CUDA_KERNELS = ("forward", "backward_prep", "backward_dkdv_dq", "backward_dq_convert", "backward_dkdv",
                 "backward_dq")
-CUDA_DECODE_KERNELS = ("decode", "decode_combine")  # a kv_cache spec's module
+DECODE_KERNELS = ("decode", "decode_combine")  # a kv_cache spec's module (any target)
 
 _modules: dict = {}
 _lock = threading.Lock()
@@ -107,9 +107,9 @@ def cuda_target_for_device(index: int) -> dict:
 
 
 def kernels_of(spec: AttentionSpec, target: dict) -> tuple:
-    if target["kind"] != "cuda":
-        return CPU_KERNELS
-    return CUDA_DECODE_KERNELS if spec.kv_cache else CUDA_KERNELS
+    if spec.kv_cache:
+        return DECODE_KERNELS
+    return CUDA_KERNELS if target["kind"] == "cuda" else CPU_KERNELS
 
 
 def target_label(target: dict) -> str:
@@ -154,8 +154,6 @@ def build_module(spec: AttentionSpec, target: dict, knobs: dict | None = None, o
     of those names (a tuning phase's)."""
     if target["kind"] == "cuda":
         return _build_cuda(spec, target, knobs)
-    if spec.kv_cache:
-        raise ValueError(f"{spec.name}: the in-place KV cache kernels are CUDA only (CPUs gather the cache)")
     return _build_cpu(spec, target, knobs, only)
 
 
@@ -166,7 +164,7 @@ def _build_cpu(spec: AttentionSpec, target: dict, knobs: dict | None = None, onl
 
     schedule = cpu_schedule(target)
     knobs = {**schedule.DEFAULTS, **tuned_knobs(_tuning_kind(target), spec), **(knobs or {})}
-    with long_scores("varlen" in spec.variants):
+    with long_scores("varlen" in spec.variants or spec.kv_cache):  # per-sequence coordinates in every score
         funcs = {name: f for name, f in schedule.kernels(spec, target, knobs).items() if only is None or name in only}
     sch = tvm.s_tir.Schedule(tvm.IRModule(funcs))
     for kernel in funcs:
@@ -345,7 +343,7 @@ def load_cached(spec: AttentionSpec, target: dict | None = None) -> dict:
             except Exception:  # noqa: BLE001 - e.g. a library built for another machine
                 module = _load(build_cached(spec, target, rebuild=True), target)
             kernels = {name: module[name] for name in kernels_of(spec, target)}
-            if target["kind"] != "cuda":
+            if target["kind"] != "cuda" and not spec.kv_cache:
                 kernels.update((name, module[name]) for name in CPU_OPTIONAL_KERNELS
                                if module.implements_function(name, query_imports=True))
                 if "forward_pack" in kernels and not request_amx():

@@ -426,8 +426,8 @@ def _arange_int32(n: int, device) -> torch.Tensor:
     return torch.arange(n, dtype=torch.int32, device=device)
 
 
-# flash_attn_with_kvcache reads the cache in place on CUDA for up to this many queries (decode,
-# speculative decode): schedules/cuda_decode.py
+# flash_attn_with_kvcache reads the cache in place for up to this many queries (decode,
+# speculative decode): schedules/cuda_decode.py, kernels/decode.py
 DECODE_MAX_QUERIES = 16
 
 
@@ -448,14 +448,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     q's last row with the last key. Returns out (B, Lq, H, D), and lse (B, H, Lq) with
     `return_softmax_lse`.
 
-    On CUDA (fp16/bf16, head_dim % 16 == 0, Lq <= 16) a split-KV kernel reads the cache in
-    place, pages included, and merges its splits by lse; `num_splits` sets their number (0:
-    chosen from the shape and the GPU). That path never waits for the GPU, so it does not read
-    the index tensors to check them: block_table entries and lengths are clamped to the cache
-    (reads stay in bounds), and an append or rotary position past the cache or the tables
-    fails in torch's indexing. Elsewhere each sequence's keys are gathered into one packed
-    tensor for the varlen kernels (the CPU splits decode-like calls itself), after every index
-    is checked."""
+    For Lq <= 16 (decode, speculative decode; on CUDA fp16/bf16 with head_dim % 16 == 0) a
+    split-KV kernel reads the cache in place, pages included, and merges its splits by lse;
+    `num_splits` sets their number (0: chosen from the shape and the device). On CUDA that path
+    never waits for the GPU, so it does not read the index tensors to check them: block_table
+    entries and lengths are clamped to the cache (reads stay in bounds), and an append or
+    rotary position past the cache or the tables fails in torch's indexing. On the CPU every
+    index is checked first. Longer q (prefill with a cache) gathers each sequence's keys into
+    one packed tensor for the varlen kernels."""
     _check_tensor("q", q, 4, " (batch, seqlen_q, nheads, head_dim)")
     B, Lq, H, D = q.shape
     paged = block_table is not None
@@ -502,8 +502,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                    or 2 * rotary_cos.shape[1] > D):
         raise ValueError(f"rotary_cos/rotary_sin must be (seqlen_ro, rotary_dim / 2) with rotary_dim <= "
                          f"head_dim ({D}), got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
-    in_place = (q.is_cuda and Lq <= DECODE_MAX_QUERIES and q.dtype != torch.float32 and D % 16 == 0
-                and k_cache.shape[2] > 0 and H % k_cache.shape[2] == 0)
+    in_place = (Lq <= DECODE_MAX_QUERIES and k_cache.shape[2] > 0 and H % k_cache.shape[2] == 0
+                and (not q.is_cuda or (q.dtype != torch.float32 and D % 16 == 0)))
     zeros = _zeros_int32(q.device).expand(B)
     if isinstance(cache_seqlens, torch.Tensor):
         seqlens, length = cache_seqlens, 0
@@ -512,7 +512,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     leftpad = zeros if leftpad is None else leftpad
     if rows is None and not paged:
         rows = _arange_int32(B, q.device)
-    if not in_place:
+    if not (in_place and q.is_cuda):  # (reading them costs a CPU nothing)
         _check_cache_indices(k_cache, block_table, rows, seqlens + length, leftpad, new, capacity, rotary_cos, Lq,
                              causal or tuple(window_size) != (-1, -1))
     if rotary_cos is not None or new:

@@ -232,21 +232,32 @@ def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     cache_seqlens: torch.Tensor, cache_leftpad: torch.Tensor, new_keys: int, scale: float,
                     causal: bool, window: tuple, softcap: float, alibi_slopes: Optional[torch.Tensor],
                     num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-KV decode on CUDA, reading the cache in place (schedules/cuda_decode.py): q (B, H,
-    Lq, D) view; caches (pages, page_size, Hk, D); block_table (B, max_pages), cache_seqlens
-    and cache_leftpad (B,) int32 (views; zero strides broadcast): batch entry b's keys are
-    cache positions [cache_leftpad[b], cache_seqlens[b] + new_keys). `num_splits` 0 picks the
-    splits from the shape and the device. Returns out (B, H, Lq, D) and lse."""
+    """Split-KV decode reading the cache in place (the kv_cache spec's kernels: on CUDA
+    schedules/cuda_decode.py, on CPUs kernels/decode.py's split forward): q (B, H, Lq, D) view;
+    caches (pages, page_size, Hk, D); block_table (B, max_pages), cache_seqlens and
+    cache_leftpad (B,) int32 (views; zero strides broadcast): batch entry b's keys are cache
+    positions [cache_leftpad[b], cache_seqlens[b] + new_keys). `num_splits` 0 picks the splits
+    from the shape and the device. Returns out (B, H, Lq, D) and lse."""
     B, H, Lq, D = q.shape
     Hk = k_cache.shape[2]
     spec, per_sm = _decode_spec(q.dtype, D, causal, window, softcap > 0, alibi_slopes is not None)
     capacity = block_table.shape[1] * k_cache.shape[1]  # keys of the longest possible sequence
-    if num_splits <= 0:  # waves of decode_ctas_per_sm CTAs (one warp each) per SM, the last one full
-        ctas = B * Hk * -(-(H // Hk) * Lq // DECODE_ROWS)
-        num_splits = max(1, per_sm * _sm_count(q.device) // ctas)
-    splits = max(1, min(num_splits, -(-capacity // 16), 256))  # a split has a 16-key tile at least
-    stream = torch.cuda.current_stream(q.device)
-    o_part, lse_part = _decode_scratch((B, H, splits, Lq, D), q.device, stream.cuda_stream)
+    if q.is_cuda:
+        stream = torch.cuda.current_stream(q.device)
+        if num_splits <= 0:  # waves of decode_ctas_per_sm CTAs (one warp each) per SM, the last one full
+            ctas = B * Hk * -(-(H // Hk) * Lq // DECODE_ROWS)
+            num_splits = max(1, per_sm * _sm_count(q.device) // ctas)
+        splits = max(1, min(num_splits, -(-capacity // 16), 256))  # a split has a 16-key tile at least
+    else:
+        from .schedules.host import SPLIT_BLOCK_K, SPLIT_BLOCK_ROWS
+
+        stream = None
+        kv_blocks = -(-capacity // SPLIT_BLOCK_K)
+        if num_splits <= 0:  # about two tasks per thread
+            tasks = B * Hk * -(-(H // Hk) * Lq // SPLIT_BLOCK_ROWS)
+            num_splits = -(-2 * torch.get_num_threads() // tasks)
+        splits = max(1, min(num_splits, kv_blocks))
+    o_part, lse_part = _decode_scratch((B, H, splits, Lq, D), q.device, stream.cuda_stream if stream else 0)
     out = torch.empty((B, Lq, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
     mod_args = _mod_args(spec, (B, H, Lq, capacity), None, window, softcap, alibi_slopes) if spec.variants else ()
@@ -256,8 +267,8 @@ def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         kern["decode"](q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, o_part, lse_part,
                        scale, *mod_args)
         kern["decode_combine"](o_part, lse_part, out, lse)
-    if stream.cuda_stream == 0 and q.device.index == torch.cuda.current_device():
-        launch()  # torch's default stream is TVM's: no scope (its few microseconds matter here)
+    if stream is None or (stream.cuda_stream == 0 and q.device.index == torch.cuda.current_device()):
+        launch()  # a CPU, or torch's default stream, which is TVM's: no scope (its microseconds matter here)
     else:
         with _on_stream(q.device, stream):
             launch()
@@ -270,8 +281,9 @@ _decode_scratches: dict = {}
 def _decode_scratch(shape: tuple, device: torch.device, stream: int) -> tuple:
     """The split partials (o_part of `shape`, lse_part), kept per device, stream and shape: a
     decode call is tens of microseconds, and two fresh tensors a call cost a few. Calls on one
-    stream run in order, so reuse is safe; the last shapes stay allocated (a few MB)."""
-    key = (shape, device, stream)
+    stream run in order, so reuse is safe (CPU: per calling thread); the last shapes stay
+    allocated (a few MB)."""
+    key = (shape, device, stream, threading.get_ident() if device.type == "cpu" else 0)
     scratch = _decode_scratches.get(key)
     if scratch is None:
         if len(_decode_scratches) > 16:
