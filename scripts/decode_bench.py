@@ -1,10 +1,11 @@
 """Decode (issue 6): flash_attn_with_kvcache with one query per sequence against a paged KV
-cache, on the GPU. For each cache length: our time (paged with 16- and 256-token pages, pages
-shuffled), the effective bandwidth (bytes of K and V read / time) as a fraction of this GPU's
-measured copy bandwidth (bytes read + written by a large device-to-device copy / time), and
-torch SDPA on the same problem padded to a dense cache (the fastest torch backend: each of
-flash / efficient / cuDNN / math with enable_gqa, and with K/V expanded to the query heads
-beforehand). Bars: >= 80% of the copy bandwidth at >= 8k context, >= 1.0x torch.
+cache, on the GPU (or, without one, the CPU). For each cache length: our time (paged with 16-
+and 256-token pages, pages shuffled), the effective bandwidth (bytes of K and V read / time) as
+a fraction of the device's measured copy bandwidth (bytes read + written by a large copy /
+time), and torch SDPA on the same problem padded to a dense cache (the fastest torch backend:
+each of flash / efficient / cuDNN / math that runs, with enable_gqa and with K/V expanded to
+the query heads beforehand). Bars: GPU >= 80% of the copy bandwidth at >= 8k context and
+>= 1.0x torch; CPU >= 1.5x torch.
 
     python scripts/decode_bench.py [OUT_DIR]   # B=16, H=32, Hk=8, D=128, bf16
 """
@@ -21,12 +22,13 @@ from tvmflash.bench import _interleaved_median_ms, machine_info, plot_ratio_bars
 
 B, H, HK, D = 16, 32, 8, 128
 DTYPE = torch.bfloat16
-LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+LENGTHS = {"cuda": (1024, 2048, 4096, 8192, 16384, 32768, 65536), "cpu": (1024, 4096, 16384)}
 PAGES = (16, 256)
 
 
 def specs() -> set:
-    """The CUDA specs this benchmark calls (scripts/device_prebuild.py builds them)."""
+    """The specs this benchmark calls (scripts/device_prebuild.py and device_prebuild_cpu.py
+    build them)."""
     from dataclasses import replace
 
     from tvmflash.ops import spec_for
@@ -34,25 +36,26 @@ def specs() -> set:
     return {replace(spec_for(torch.empty(1, 1, 1, D, dtype=DTYPE), None, "none"), kv_cache=True)}
 
 
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Bytes moved (read + written) per second by a device-to-device copy of `nbytes`."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+def copy_bandwidth(device: str, nbytes: int = 2 << 30) -> float:
+    """Bytes moved (read + written) per second by a copy of `nbytes` within `device`."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = _interleaved_median_ms({"copy": lambda: dst.copy_(src)}, rounds=5, iters=20, device="cuda")["copy"]
+    ms = _interleaved_median_ms({"copy": lambda: dst.copy_(src)}, rounds=5, iters=20 if device == "cuda" else 3,
+                                device=device)["copy"]
     return 2 * nbytes / (ms * 1e-3)
 
 
-def paged_cache(length: int, page: int, g: torch.Generator):
+def paged_cache(length: int, page: int, device: str):
     """K and V caches of B sequences of `length` keys in shuffled pages, and their block table."""
     per_seq = length // page
-    order = torch.randperm(B * per_seq, generator=torch.Generator().manual_seed(length + page)).to("cuda")
-    k, v = (torch.randn(B * per_seq, page, HK, D, device="cuda", dtype=DTYPE) for _ in range(2))
+    order = torch.randperm(B * per_seq, generator=torch.Generator().manual_seed(length + page)).to(device)
+    k, v = (torch.randn(B * per_seq, page, HK, D, device=device, dtype=DTYPE) for _ in range(2))
     return k, v, order.view(B, per_seq).to(torch.int32)
 
 
-def torch_calls(q, length: int, g: torch.Generator) -> dict:
+def torch_calls(q, length: int) -> dict:
     """torch SDPA on the dense padded problem, one entry per backend and K/V form that runs."""
-    k, v = (torch.randn(B, HK, length, D, device="cuda", dtype=DTYPE, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, HK, length, D, device=q.device, dtype=DTYPE) for _ in range(2))
     qh = q.transpose(1, 2)
     forms = {"gqa": dict(key=k, value=v, enable_gqa=True),
              "expanded": dict(key=k.repeat_interleave(H // HK, 1), value=v.repeat_interleave(H // HK, 1))}
@@ -68,28 +71,29 @@ def torch_calls(q, length: int, g: torch.Generator) -> dict:
             except RuntimeError:
                 continue
             calls[f"torch {backend.name.lower()} {form}"] = call
-        torch.cuda.synchronize()
     return calls
 
 
 def main(out_dir: Path) -> None:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    copy = copy_bandwidth()
-    print(f"copy bandwidth {copy / 1e12:.2f} TB/s", flush=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    copy = copy_bandwidth(device)
+    print(f"{device}: copy bandwidth {copy / 1e12:.2f} TB/s", flush=True)
     rows = []
-    for length in LENGTHS:
-        q = torch.randn(B, 1, H, D, device="cuda", dtype=DTYPE, generator=g)
+    for length in LENGTHS[device]:
+        q = torch.randn(B, 1, H, D, device=device, dtype=DTYPE)
         fns = {}
         for page in PAGES:
-            k, v, table = paged_cache(length, page, g)
+            k, v, table = paged_cache(length, page, device)
             fns[f"ours paged{page}"] = (lambda k, v, t: lambda: tvmflash.flash_attn_with_kvcache(
                 q, k, v, cache_seqlens=length, block_table=t))(k, v, table)
             fns[f"ours paged{page}"]()
-        fns.update(torch_calls(q, length, g))
-        slow = length >= 32768
-        t = _interleaved_median_ms(fns, rounds=5, iters=5 if slow else 20, device="cuda")
+        fns.update(torch_calls(q, length))
+        iters = (5 if length >= 32768 else 20) if device == "cuda" else 3
+        t = _interleaved_median_ms(fns, rounds=5, iters=iters, device=device)
         del fns
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
         kv_bytes = 2 * B * HK * length * D * 2
         best_torch = min((name for name in t if name.startswith("torch")), key=t.get)
         row = {"length": length, "ms": t, "best_torch": best_torch, "kv_bytes": kv_bytes}
@@ -103,17 +107,18 @@ def main(out_dir: Path) -> None:
                                           f"x{row[f'vs_torch_paged{p}']:.2f})" for p in PAGES)
               + f"; {best_torch} {t[best_torch] * 1e3:.1f} us", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tag = "cuda-h100-decode"
-    meta = {"machine": machine_info("cuda"), "copy_bandwidth_bytes_per_s": copy,
+    tag = "cuda-h100-decode" if device == "cuda" else "cpu-kvcache-decode"
+    meta = {"machine": machine_info(device), "copy_bandwidth_bytes_per_s": copy,
             "shape": {"B": B, "H": H, "Hk": HK, "D": D, "Lq": 1, "dtype": "bf16", "pages": PAGES},
-            "note": "bandwidth_fraction = K/V bytes / time / copy bandwidth (bar >= 0.8 at >= 8k); "
-                    "vs_torch = fastest torch SDPA time / ours (bar >= 1.0)", "rows": rows}
+            "note": "bandwidth_fraction = K/V bytes / time / copy bandwidth (GPU bar >= 0.8 at >= 8k); "
+                    "vs_torch = fastest torch SDPA time / ours (bars: GPU >= 1.0, CPU >= 1.5)", "rows": rows}
     (out_dir / f"{tag}.json").write_text(json.dumps(meta, indent=1))
     labels = [f"{r['length'] // 1024}k" for r in rows]
     series = {f"{name} paged{p}": [r[f"{key}_paged{p}"] for r in rows]
               for name, key in (("bandwidth / copy", "bandwidth_fraction"), ("vs torch", "vs_torch")) for p in PAGES}
     plot_ratio_bars(out_dir / f"{tag}.png", labels, series, "fraction of copy bandwidth; torch time / ours",
-                    f"decode, H100, bf16 B={B} H={H} Hk={HK} D={D}, Lq=1, paged cache (shuffled pages)")
+                    f"decode, {'H100' if device == 'cuda' else 'CPU'}, bf16 B={B} H={H} Hk={HK} D={D}, Lq=1, "
+                    "paged cache (shuffled pages)")
     print(out_dir / f"{tag}.json")
 
 

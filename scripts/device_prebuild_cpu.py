@@ -27,6 +27,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from variants_bench import specs as bench_variant_specs  # noqa: E402
 
 specs |= bench_variant_specs()  # scripts/variants_bench.py on the Xeon
+from decode_bench import specs as decode_bench_specs  # noqa: E402
+
+specs |= decode_bench_specs()  # scripts/decode_bench.py on the Xeon (flash_attn_with_kvcache)
 start = time.time()
 for spec in sorted(specs, key=lambda s: s.name):
     build.build_cached(spec, build.AVX512_TARGET)
