@@ -107,7 +107,7 @@ def main(out_dir: Path) -> None:
                                           f"x{row[f'vs_torch_paged{p}']:.2f})" for p in PAGES)
               + f"; {best_torch} {t[best_torch] * 1e3:.1f} us", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tag = "cuda-h100-decode" if device == "cuda" else "cpu-kvcache-decode"
+    tag = "cuda-h100-decode" if device == "cuda" else "cpu-kvcache-decode"  # (the Xeon run: cpu-xeon-16core-kvcache-decode)
     meta = {"machine": machine_info(device), "copy_bandwidth_bytes_per_s": copy,
             "shape": {"B": B, "H": H, "Hk": HK, "D": D, "Lq": 1, "dtype": "bf16", "pages": PAGES},
             "note": "bandwidth_fraction = K/V bytes / time / copy bandwidth (GPU bar >= 0.8 at >= 8k); "
