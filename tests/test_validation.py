@@ -86,9 +86,3 @@ def test_spec_rejects_unknown_values():
     with pytest.raises(ValueError, match="kv_cache spec takes"):
         tvmflash.AttentionSpec("float16", variants=("dropout",), kv_cache=True)
 
-
-def test_kv_cache_specs_are_cuda_only():
-    from tvmflash.build import build_module, cpu_target
-
-    with pytest.raises(ValueError, match="CUDA only"):
-        build_module(tvmflash.AttentionSpec("bfloat16", 64, kv_cache=True), cpu_target())
