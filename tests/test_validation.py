@@ -85,4 +85,3 @@ def test_spec_rejects_unknown_values():
         tvmflash.AttentionSpec(mask="bool", kv_cache=True)
     with pytest.raises(ValueError, match="kv_cache spec takes"):
         tvmflash.AttentionSpec("float16", variants=("dropout",), kv_cache=True)
-
