@@ -177,10 +177,49 @@ def test_cu_seqlens_validation():
     with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(nheads,\) = \(2,\) or \(batch, nheads\) = "
                                          r"\(2, 2\)"):
         call(alibi_slopes=torch.ones(3, 2))
-    with pytest.raises(NotImplementedError, match="block_table"):
+    with pytest.raises(ValueError, match="must be 4-D"):
         call(block_table=torch.zeros(2, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match="stack 3 tensors"):
         tvmflash.flash_attn_varlen_qkvpacked_func(torch.zeros(10, 2, 2, 32), good_q, 6)
+
+
+@pytest.mark.parametrize("page", [16, 48])
+def test_varlen_paged_keys_equal_packed_ones(page):
+    """block_table: the keys of each sequence in shuffled pages give the packed call's output
+    and gradients (the pages' gradients are the packed keys' gradients, scattered)."""
+    g = torch.Generator().manual_seed(page)
+    lengths_q, lengths_k = [3, 0, 17, 5], [40, 7, 0, 100]
+    q = torch.randn(sum(lengths_q), 4, 32, generator=g)
+    k, v = (torch.randn(sum(lengths_k), 2, 32, generator=g) for _ in range(2))
+    per_seq = -(-max(lengths_k) // page)
+    table = torch.randperm(len(lengths_k) * per_seq + 3, generator=g)[:len(lengths_k) * per_seq]
+    table = table.view(len(lengths_k), per_seq).to(torch.int32)
+    k_pages, v_pages = (torch.randn(len(lengths_k) * per_seq + 3, page, 2, 32, generator=g) for _ in range(2))
+    for b, (start, n) in enumerate(zip(offsets(lengths_k).tolist(), lengths_k)):
+        for cache, packed in ((k_pages, k), (v_pages, v)):
+            rows = cache[table[b].long()].flatten(0, 1)
+            rows[:n] = packed[start:start + n]
+            cache[table[b].long()] = rows.view(per_seq, page, 2, 32)
+    args = (offsets(lengths_q), offsets(lengths_k), max(lengths_q), max(lengths_k))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, k_pages, v_pages)]
+    packed = tvmflash.flash_attn_varlen_func(*leaves[:3], *args, causal=True)
+    paged = tvmflash.flash_attn_varlen_func(leaves[0], *leaves[3:], *args, causal=True, block_table=table)
+    torch.testing.assert_close(paged, packed, atol=1e-6, rtol=0)
+    dout = torch.randn_like(packed)
+    (packed * dout).sum().backward()
+    dq_packed = leaves[0].grad.clone()
+    leaves[0].grad = None
+    (paged * dout).sum().backward()
+    torch.testing.assert_close(leaves[0].grad, dq_packed, atol=1e-5, rtol=0)
+    for b, (start, n) in enumerate(zip(offsets(lengths_k).tolist(), lengths_k)):
+        for pages, packed_grad in ((leaves[3], leaves[1].grad), (leaves[4], leaves[2].grad)):
+            rows = pages.grad[table[b].long()].flatten(0, 1)
+            torch.testing.assert_close(rows[:n], packed_grad[start:start + n], atol=1e-5, rtol=0)
+            assert not rows[n:].any()  # positions past the sequence get no gradient
+    with pytest.raises(ValueError, match="outside the cache's"):
+        tvmflash.flash_attn_varlen_func(q, k_pages, v_pages, *args, block_table=table + 100)
+    with pytest.raises(ValueError, match="does not fit block_table"):
+        tvmflash.flash_attn_varlen_func(q, k_pages, v_pages, *args, block_table=table[:, :1])
 
 
 def merge_reference(out_a, lse_a, out_b, lse_b):

@@ -252,10 +252,10 @@ def _check_stacked(name: str, x, n: int) -> None:
         raise ValueError(f"{name} must stack {n} tensors in dimension {x.dim() - 3}, got shape {tuple(x.shape)}")
 
 
-def _check_cu_seqlens(name: str, cu, total: int, device, max_name: str, max_seqlen) -> list:
+def _check_cu_seqlens(name: str, cu, total, device, max_name: str, max_seqlen) -> list:
     """cu_seqlens: int32 (batch + 1,) on the tensors' device, 0 first, non-decreasing, the
-    token count last; `max_seqlen` an int no smaller than the longest sequence. Returns the
-    offsets as a host list (one sync on CUDA)."""
+    token count last (`total`; None: any); `max_seqlen` an int no smaller than the longest
+    sequence. Returns the offsets as a host list (one sync on CUDA)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -270,7 +270,7 @@ def _check_cu_seqlens(name: str, cu, total: int, device, max_name: str, max_seql
     lengths = [b - a for a, b in zip(offsets, offsets[1:])]
     if any(n < 0 for n in lengths):
         raise ValueError(f"{name} must be non-decreasing, got {offsets}")
-    if offsets[-1] != total:
+    if total is not None and offsets[-1] != total:
         raise ValueError(f"{name} must end at the number of tokens ({total}), got {offsets[-1]}")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
         raise TypeError(f"{max_name} must be an int, got {type(max_seqlen).__name__}")
@@ -302,19 +302,53 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns out (total_q, H, D); with `return_attn_probs`, (out, lse (H, total_q), keep), keep
     the (H, total_q, total_k) dropout mask in packed coordinates (None without dropout).
     The offsets are checked (read to the host: one sync on CUDA); `max_seqlen_*` must bound the
-    lengths (the kernels do not need them). Paged keys (`block_table`) are not built yet."""
-    if block_table is not None:
-        raise NotImplementedError("flash_attn_varlen_func with a paged cache (block_table) is not supported yet")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, x, 3, " (total_tokens, nheads, head_dim)")
+    lengths (the kernels do not need them).
+
+    Paged keys: with `block_table` (int32 (batch, max_blocks)), k and v are paged caches
+    (num_blocks, page_size, Hk, D) (page size a multiple of 16) and sequence b's keys are the
+    first cu_seqlens_k[b+1] - cu_seqlens_k[b] positions of its pages, in table order. They are
+    gathered into one packed tensor (a copy; gradients flow back into the pages)."""
+    _check_tensor("q", q, 3, " (total_tokens, nheads, head_dim)")
+    for name, x in (("k", k), ("v", v)):
+        _check_tensor(name, x, 3 if block_table is None else 4,
+                      " (total_tokens, nheads, head_dim)" if block_table is None
+                      else " (num_blocks, page_size, nheads_k, head_dim) with block_table")
     offsets_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, "max_seqlen_q", max_seqlen_q)
-    offsets_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device, "max_seqlen_k", max_seqlen_k)
+    offsets_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0] if block_table is None else None, q.device,
+                                  "max_seqlen_k", max_seqlen_k)
     if len(offsets_q) != len(offsets_k):
         raise ValueError(f"cu_seqlens_q has {len(offsets_q)} entries but cu_seqlens_k has {len(offsets_k)}: "
                          "both must be batch + 1 long")
+    if block_table is not None:
+        k, v = _gathered_pages(k, v, block_table, offsets_k)
     out, lse, keep = _varlen_attention(q, k, v, offsets_q, offsets_k, dropout_p, softmax_scale, causal, window_size,
                                        softcap, alibi_slopes, deterministic, return_attn_probs)
     return (out, lse, keep) if return_attn_probs else out
+
+
+def _gathered_pages(k_cache, v_cache, block_table, offsets_k: list) -> tuple:
+    """Packed (total_k, Hk, D) keys and values of paged caches: sequence b's first
+    offsets_k[b+1] - offsets_k[b] positions of its pages (block_table's row b, checked)."""
+    batch = len(offsets_k) - 1
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k and v (paged) must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
+            or block_table.shape[0] != batch or block_table.device != k_cache.device:
+        raise ValueError(f"block_table must be an int32 (batch, max_blocks) tensor on the cache's device, batch = {batch}")
+    page = k_cache.shape[1]
+    if page % 16:
+        raise ValueError(f"the page size (k.shape[1]) must be a multiple of 16, got {page}")
+    lengths = [b - a for a, b in zip(offsets_k, offsets_k[1:])]
+    if max(lengths, default=0) > block_table.shape[1] * page:
+        raise ValueError(f"a sequence of {max(lengths)} keys does not fit block_table's {block_table.shape[1]} pages "
+                         f"of {page}")
+    rows = [block_table[b, :-(-n // page)] for b, n in enumerate(lengths)]
+    used = torch.cat(rows).long() if rows else block_table.new_zeros(0).long()
+    if used.numel() and not bool(((used >= 0) & (used < k_cache.shape[0])).all()):
+        raise ValueError(f"block_table holds a page outside the cache's {k_cache.shape[0]} pages")
+    pieces = [(start, n) for start, n in zip(itertools.accumulate([0] + [len(r) for r in rows]), lengths)]
+    return tuple(torch.cat([c[used[s:s + -(-n // page)]].flatten(0, 1)[:n] for s, n in pieces])
+                 if pieces else c.new_zeros(0, *c.shape[2:]) for c in (k_cache, v_cache))
 
 
 def _varlen_attention(q, k, v, offsets_q: list, offsets_k: list, dropout_p, softmax_scale, causal, window_size,
