@@ -342,13 +342,17 @@ def _gathered_pages(k_cache, v_cache, block_table, offsets_k: list) -> tuple:
     if max(lengths, default=0) > block_table.shape[1] * page:
         raise ValueError(f"a sequence of {max(lengths)} keys does not fit block_table's {block_table.shape[1]} pages "
                          f"of {page}")
-    rows = [block_table[b, :-(-n // page)] for b, n in enumerate(lengths)]
-    used = torch.cat(rows).long() if rows else block_table.new_zeros(0).long()
-    if used.numel() and not bool(((used >= 0) & (used < k_cache.shape[0])).all()):
+    used = [block_table[b, :-(-n // page)] for b, n in enumerate(lengths)]
+    pages = torch.cat(used) if used else block_table.new_zeros(0)
+    if not bool(((pages >= 0) & (pages < k_cache.shape[0])).all()):
         raise ValueError(f"block_table holds a page outside the cache's {k_cache.shape[0]} pages")
-    pieces = [(start, n) for start, n in zip(itertools.accumulate([0] + [len(r) for r in rows]), lengths)]
-    return tuple(torch.cat([c[used[s:s + -(-n // page)]].flatten(0, 1)[:n] for s, n in pieces])
-                 if pieces else c.new_zeros(0, *c.shape[2:]) for c in (k_cache, v_cache))
+    return tuple(torch.cat([_sequence_keys(c, block_table[b], 0, n) for b, n in enumerate(lengths)]) if lengths
+                 else c.new_zeros(0, *c.shape[2:]) for c in (k_cache, v_cache))
+
+
+def _sequence_keys(cache, pages, start: int, end: int):
+    """Positions [start, end) of a paged cache's sequence whose pages are `pages` (in order)."""
+    return cache[pages[:-(-end // cache.shape[1])].long()].flatten(0, 1)[start:end]
 
 
 def _varlen_attention(q, k, v, offsets_q: list, offsets_k: list, dropout_p, softmax_scale, causal, window_size,
@@ -610,8 +614,7 @@ def _gathered_kvcache(q, k_cache, v_cache, block_table, rows, seqlens, leftpad, 
 
     def used(cache, b):
         if block_table is not None:
-            page = cache.shape[1]
-            return cache[block_table[b, :-(-ends[b] // page)].long()].flatten(0, 1)[starts[b]:ends[b]]
+            return _sequence_keys(cache, block_table[b], starts[b], ends[b])
         return cache[rows[b], starts[b]:ends[b]]
     keys, values = (torch.cat([used(c, b) for b in range(B)]) for c in (k_cache, v_cache))
     offsets_k = [0, *itertools.accumulate(e - p for e, p in zip(ends, starts))]

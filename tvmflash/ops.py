@@ -32,15 +32,18 @@ def register_flex(programs: tuple) -> str:
     return key
 
 
+def _variant_names(window: tuple, softcap: bool, alibi: bool, dropout: bool, packed: bool) -> tuple:
+    """The built-in variants a call uses, in the spec's order."""
+    return tuple(name for name, on in (("softcap", softcap), ("alibi", alibi), ("window", tuple(window) != (-1, -1)),
+                                       ("dropout", dropout), ("varlen", packed)) if on)
+
+
 def spec_for(q: torch.Tensor, mask: Optional[torch.Tensor], causal: str, window: tuple = (-1, -1),
              softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
              dropout_p: float = 0.0, flex: str = "", packed: bool = False) -> AttentionSpec:
     """The spec of a call: dtype, head dim, causal mode, mask kind and which variants it uses
     (their values are kernel arguments, `_mod_args`)."""
-    variants = tuple(name for name, on in (("softcap", softcap > 0), ("alibi", alibi_slopes is not None),
-                                           ("window", tuple(window) != (-1, -1)), ("dropout", dropout_p > 0),
-                                           ("varlen", packed))
-                     if on)
+    variants = _variant_names(window, softcap > 0, alibi_slopes is not None, dropout_p > 0, packed)
     if mask is None:
         kind, mask_dtype = "none", None
     elif mask.dtype == torch.bool:
@@ -193,13 +196,8 @@ def _forward_split(kern: dict, q, k, v, out, lse, scale, mod_args) -> None:
     """Decode-like calls (few queries) on the CPU: a kv-head's query rows share a task, the keys
     are cut into splits so that about two tasks per thread stream the cache, then the partial
     results are merged."""
-    from .schedules.host import SPLIT_BLOCK_K, SPLIT_BLOCK_ROWS
-
     B, H, Lq, D = q.shape
-    Hk = k.shape[1]
-    kv_blocks = -(-k.shape[2] // SPLIT_BLOCK_K)
-    tasks = B * Hk * -(-(H // Hk) * Lq // SPLIT_BLOCK_ROWS)  # before splitting the keys
-    splits = max(1, min(kv_blocks, -(-2 * torch.get_num_threads() // tasks)))
+    splits = _cpu_splits(B, H, k.shape[1], Lq, k.shape[2])
     o_part = torch.empty((B, H, splits, Lq, D), dtype=torch.float32)
     lse_part = torch.empty((B, H, splits, Lq), dtype=torch.float32)
     kern["forward_split"](q, k, v, o_part, lse_part, scale, *mod_args)
@@ -216,8 +214,7 @@ def _decode_spec(dtype, head_dim: int, causal: bool, window: tuple, softcap: boo
     """The kv_cache spec of a decode call and its CTAs per SM (cached: decode calls are short)."""
     from .tuning import tuned_knobs
 
-    variants = tuple(name for name, on in (("softcap", softcap), ("alibi", alibi), ("window", window != (-1, -1)))
-                     if on)
+    variants = _variant_names(window, softcap, alibi, False, False)
     spec = AttentionSpec(_TORCH_TO_TVM[dtype], head_dim, "bottom_right" if causal else "none", variants=variants,
                          kv_cache=True)
     return spec, tuned_knobs("cuda", spec).get("decode_ctas_per_sm", DECODE_CTAS_PER_SM)
@@ -249,14 +246,8 @@ def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             num_splits = max(1, per_sm * _sm_count(q.device) // ctas)
         splits = max(1, min(num_splits, -(-capacity // 16), 256))  # a split has a 16-key tile at least
     else:
-        from .schedules.host import SPLIT_BLOCK_K, SPLIT_BLOCK_ROWS
-
         stream = None
-        kv_blocks = -(-capacity // SPLIT_BLOCK_K)
-        if num_splits <= 0:  # about two tasks per thread
-            tasks = B * Hk * -(-(H // Hk) * Lq // SPLIT_BLOCK_ROWS)
-            num_splits = -(-2 * torch.get_num_threads() // tasks)
-        splits = max(1, min(num_splits, kv_blocks))
+        splits = _cpu_splits(B, H, Hk, Lq, capacity, num_splits)
     o_part, lse_part = _decode_scratch((B, H, splits, Lq, D), q.device, stream.cuda_stream if stream else 0)
     out = torch.empty((B, Lq, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
@@ -292,6 +283,17 @@ def _decode_scratch(shape: tuple, device: torch.device, stream: int) -> tuple:
                    torch.empty(shape[:-1], dtype=torch.float32, device=device))
         _decode_scratches[key] = scratch
     return scratch
+
+
+def _cpu_splits(B: int, H: int, Hk: int, Lq: int, keys: int, requested: int = 0) -> int:
+    """Key splits of the CPU split-KV forward: `requested` (0: enough for about two tasks per
+    thread; a kv-head's query rows share a task), at most one per kv-block of `keys`."""
+    from .schedules.host import SPLIT_BLOCK_K, SPLIT_BLOCK_ROWS
+
+    if requested <= 0:
+        tasks = B * Hk * -(-(H // Hk) * Lq // SPLIT_BLOCK_ROWS)  # before splitting the keys
+        requested = -(-2 * torch.get_num_threads() // tasks)
+    return max(1, min(requested, -(-keys // SPLIT_BLOCK_K)))
 
 
 def _amx_packs(kern: dict, k: torch.Tensor, v: torch.Tensor) -> tuple:

@@ -188,13 +188,7 @@ def _time_decode(entry: dict, kern: dict, spec: AttentionSpec) -> list[dict]:
                 kern["decode"](q, k, v, table, seqlens, starts, 0, o_part, lse_part, d ** -0.5)
                 kern["decode_combine"](o_part, lse_part, out, lse)
             call()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(20):
-                call()
-            end.record()
-            torch.cuda.synchronize()
-            per_length[length] = start.elapsed_time(end) / 20
+            per_length[length] = _cuda_ms(call)
         ms = math.prod(per_length.values()) ** (1 / len(per_length))
         rate = {L: 2 * b * hk * L * d * 2 / (t * 1e-3) / 1e12 for L, t in per_length.items()}
         results.append({**entry, "knobs": {**entry["knobs"], "decode_ctas_per_sm": per_sm}, "ms": ms,
@@ -243,13 +237,20 @@ def _time_one(kern: dict, spec: AttentionSpec, seqlen: int, backward: bool) -> f
         kern["forward"](q, k, v, o, lse, d ** -0.5)
         for _ in range(3):
             call()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            call()
-        end.record()
+        return _cuda_ms(call)
+
+
+def _cuda_ms(call, iters: int = 20) -> float:
+    """Milliseconds per call of `call` over `iters` back-to-back calls (CUDA events)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        call()
+    end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / 20
+    return start.elapsed_time(end) / iters
 
 
 CPU_SAMPLES, CPU_SAMPLE_S = 3, 0.1  # a CPU candidate's time: median of this many samples of >= this long
