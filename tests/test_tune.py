@@ -1,5 +1,8 @@
-"""The tuner's bookkeeping (the timing itself runs on the GPU machine and its Xeon)."""
+"""The tuner: candidate grids, the MetaSchedule database of records, the tune loop on the host
+CPU (the CUDA and AVX512 timing itself runs on the GPU machine and its Xeon)."""
 import json
+
+import pytest
 
 from tvmflash import tune
 from tvmflash.spec import AttentionSpec
@@ -25,35 +28,6 @@ def test_hopper_candidates_are_the_wgmma_knobs_that_fit():
     assert len(tune.candidates(AttentionSpec("float16", 64), "backward")) == 4  # block_m 128 too
 
 
-def test_record_keeps_the_fastest_candidate_per_spec(tmp_path, monkeypatch):
-    logs = tmp_path / "logs"
-    monkeypatch.setattr(tune, "TUNING_LOGS_DIR", logs)
-    (logs / "cuda").mkdir(parents=True)
-    (logs / "cuda" / "knobs.json").write_text(json.dumps({"other_spec": {"block_m": 64}}))
-    spec = AttentionSpec("float16", 64)
-    timings = [{"spec": spec.to_dict(), "knobs": {"block_m": bm}, "ms": ms, "tflops": 1.0}
-               for bm, ms in ((64, 2.0), (128, 1.5), (32, 3.0))]
-    (tmp_path / "timings.json").write_text(json.dumps(timings))
-    tune.record(tmp_path)
-    records = json.loads((logs / "cuda" / "knobs.json").read_text())
-    assert records == {"other_spec": {"block_m": 64}, spec.name: {"block_m": 128}}
-
-
-def test_record_merges_forward_and_backward_phases(tmp_path, monkeypatch):
-    logs = tmp_path / "logs"
-    monkeypatch.setattr(tune, "TUNING_LOGS_DIR", logs)
-    spec = AttentionSpec("bfloat16", 128, causal="top_left")
-    timings = [{"spec": spec.to_dict(), "phase": "forward", "knobs": {"block_m": 64}, "ms": 1.0, "tflops": 1.0},
-               {"spec": spec.to_dict(), "phase": "backward", "knobs": {"bwd_block_n": 128, "bwd_block_m": 64},
-                "ms": 3.0, "tflops": 1.0},
-               {"spec": spec.to_dict(), "phase": "backward", "knobs": {"bwd_block_n": 64, "bwd_block_m": 32},
-                "ms": 2.5, "tflops": 1.0}]
-    (tmp_path / "timings.json").write_text(json.dumps(timings))
-    tune.record(tmp_path)
-    records = json.loads((logs / "cuda" / "knobs.json").read_text())
-    assert records == {spec.name: {"block_m": 64, "bwd_block_n": 64, "bwd_block_m": 32}}
-
-
 def test_backward_candidates_fit_shared_memory():
     for d in (64, 128, 256):
         cands = tune.candidates(AttentionSpec("float16", d), "backward", arch="sm_80")
@@ -73,24 +47,11 @@ def test_cpu_candidates_are_block_sizes_and_register_tiles():
     assert all(c["bwd_block_q"] % 32 == 0 and c["bwd_block_k"] % 32 == 0 for c in amx)
 
 
-def test_record_writes_each_targets_log(tmp_path, monkeypatch):
-    logs = tmp_path / "logs"
-    monkeypatch.setattr(tune, "TUNING_LOGS_DIR", logs)
-    spec = AttentionSpec("bfloat16", 64)
-    timings = [{"spec": spec.to_dict(), "target": "avx512", "phase": "backward",
-                "knobs": {"bwd_block_q": bq}, "ms": ms, "gflops": {}} for bq, ms in ((64, 2.0), (128, 1.0))]
-    timings.append({"spec": spec.to_dict(), "target": "cuda", "knobs": {"block_m": 64}, "ms": 1.0, "tflops": {}})
-    (tmp_path / "timings.json").write_text(json.dumps(timings))
-    tune.record(tmp_path)
-    assert json.loads((logs / "avx512" / "knobs.json").read_text()) == {spec.name: {"bwd_block_q": 128}}
-    assert json.loads((logs / "cuda" / "knobs.json").read_text()) == {spec.name: {"block_m": 64}}
-
-
 def test_cpu_specs_without_a_record_take_the_plain_specs():
     from tvmflash.tuning import tuned_knobs
 
     plain = tuned_knobs("avx512", AttentionSpec("bfloat16", 64))
-    assert plain  # tuning_logs/avx512/knobs.json holds the benchmark specs
+    assert plain  # tuning_logs/avx512/ holds the benchmark specs
     assert tuned_knobs("avx512", AttentionSpec("bfloat16", 64, causal="bottom_right", mask="bool")) == plain
     assert tuned_knobs("avx512", AttentionSpec("bfloat16", 80)) == {}  # other head dims: defaults
     assert tuned_knobs("cuda", AttentionSpec("bfloat16", 64, mask="bool")) == {}  # CUDA: exact records only
@@ -102,7 +63,133 @@ def test_decode_candidates_and_records():
     cands = tune.candidates(AttentionSpec("bfloat16", 128, kv_cache=True), "decode")
     assert cands and all(set(c) == {"decode_block_n", "decode_stages", "decode_l2_prefetch"} for c in cands)
     assert all((16 + 2 * c["decode_stages"] * c["decode_block_n"]) * (128 + 8) * 2 <= tune.SMEM_LIMIT for c in cands)
-    # a causal / windowed decode spec takes the plain decode record (tuning_logs/cuda/knobs.json has it)
+    # a causal / windowed decode spec takes the plain decode record (tuning_logs/cuda/ has it)
     plain = tuned_knobs("cuda", AttentionSpec("bfloat16", 128, kv_cache=True))
     assert "decode_ctas_per_sm" in plain
     assert tuned_knobs("cuda", AttentionSpec("bfloat16", 128, "bottom_right", variants=("window",), kv_cache=True)) == plain
+
+
+def _record(db, spec, phase, knobs, secs, kind="cuda"):
+    values = {k: {v} for k, v in knobs.items()}
+    workload, trace = tune.ms_lines(tune.Candidate(spec, phase, knobs), values, tune.target_of(kind))
+    return db.add(workload, trace, None if secs is None else [secs], tune.target_of(kind))
+
+
+def test_database_is_metaschedules_and_keeps_the_fastest_per_workload(tmp_path):
+    import tvm
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvmflash.tuning import Database
+
+    spec, other = AttentionSpec("float16", 64), AttentionSpec("bfloat16", 128, causal="top_left")
+    shipped = Database(tmp_path / "shipped")
+    _record(shipped, other, "forward", {"block_m": 64}, 1e-3)
+    _record(shipped, spec, "forward", {"block_m": 64}, 2e-3)
+    _record(shipped, spec, "decode", {"decode_block_n": 16}, None)  # unmeasured: kept until measured
+    shipped.merge_into(tmp_path / "shipped")  # compacts: one record per workload
+    run = Database(tmp_path / "run")
+    for bm, secs in ((64, 2.5e-3), (128, 1.5e-3), (32, 3e-3)):
+        _record(run, spec, "forward", {"block_m": bm}, secs)
+    for bn, bm, secs in ((128, 64, 3e-3), (64, 32, 2.5e-3)):
+        _record(run, spec, "backward", {"bwd_block_n": bn, "bwd_block_m": bm}, secs)
+    _record(run, other, "forward", {"block_m": 128}, 1.2e-3)  # slower than the shipped record
+    changed = run.merge_into(tmp_path / "shipped")
+    assert sorted((r.spec, r.phase) for r, _ in changed) == [(spec.name, "backward"), (spec.name, "forward")]
+
+    merged = Database(tmp_path / "shipped")
+    assert len(merged.records) == len(merged.workloads) == 4
+    assert merged.knobs(spec.name) == {"block_m": 128, "bwd_block_n": 64, "bwd_block_m": 32, "decode_block_n": 16}
+    assert merged.knobs(other.name) == {"block_m": 64}
+    # MetaSchedule reads it: the best record per workload, the knobs as root-block annotations
+    db = ms.database.JSONDatabase(work_dir=str(tmp_path / "shipped"), allow_missing=False)
+    forward = [r for r in db.get_all_tuning_records()
+               if str(r.workload.mod["main"].attrs["tvmflash.spec"]) == spec.name
+               and str(r.workload.mod["main"].attrs["tvmflash.phase"]) == "forward"]
+    best = db.get_top_k(forward[0].workload, 1)[0]
+    assert float(best.run_secs[0]) == pytest.approx(1.5e-3)
+    sch = tvm.s_tir.Schedule(best.workload.mod)
+    best.trace.apply_to_schedule(sch, remove_postproc=False)
+    assert int(sch.get(sch.get_sblock("root")).annotations["block_m"]) == 128
+
+
+def test_time_to_fraction():
+    history = [{"spec": "s", "phase": "forward", "elapsed_s": t, "best_secs": b}
+               for t, b in ((1, 2.0), (2, 1.2), (3, 1.04), (4, 1.0))]
+    assert tune.time_to_fraction(history) == {("s", "forward"): 3}
+
+
+def test_presets_and_spec_syntax():
+    from tvmflash.presets import MODEL_PRESETS, parse_spec
+
+    assert parse_spec("bf16:d128:causal:window") == AttentionSpec("bfloat16", 128, "bottom_right", variants=("window",))
+    assert parse_spec("fp16:d64:alibi:softcap:kvcache") == AttentionSpec("float16", 64, variants=("softcap", "alibi"),
+                                                                           kv_cache=True)
+    assert parse_spec("float32_d64_causal-top_left_mask-none") == AttentionSpec("float32", 64, "top_left")
+    for bad in ("bf16", "bf16:128", "int8:d64", "bf16:d64:sliding"):
+        with pytest.raises(ValueError, match="spec"):
+            parse_spec(bad)
+    gemma = MODEL_PRESETS["gemma2-9b"]
+    assert [s.name for s in gemma.specs()] == [
+        "bfloat16_d256_causal-bottom_right_mask-none_softcap", "bfloat16_d256_causal-bottom_right_mask-none_softcap-window",
+        "bfloat16_d256_causal-bottom_right_mask-none_softcap_kvcache",
+        "bfloat16_d256_causal-bottom_right_mask-none_softcap-window_kvcache"]
+    assert gemma.values == {"window": (4096, 0), "softcap": 50.0}
+    assert [s.variants for s in MODEL_PRESETS["mistral-7b"].specs(decode=False)] == [("window",)]
+    assert MODEL_PRESETS["llama3-8b"].specs("float32") == [AttentionSpec("float32", 128, "bottom_right")]
+
+
+@pytest.fixture
+def logs(tmp_path, monkeypatch):
+    """tuning_logs/ in a temporary directory."""
+    monkeypatch.setattr(tune, "TUNING_LOGS_DIR", tmp_path / "logs")
+    return tmp_path / "logs"
+
+
+def test_tune_on_the_host_resumes_and_merges(tmp_path, logs):
+    """Two runs of one trial each: two different candidates measured (the first the current
+    record, which the host has none of here), history and database grow, the best is merged."""
+    spec = AttentionSpec("float32", 32)
+    work = tmp_path / "work"
+    for run in range(2):
+        summary = tune.tune("host", [spec], ("forward",), trials=1, work_dir=work, seqlens=(64,))
+        assert summary["measured"] == 1 and summary["built"] == 1
+    history = [json.loads(line) for line in (work / "history.jsonl").read_text().splitlines()]
+    assert len(history) == 2 and history[0]["knobs"] != history[1]["knobs"]
+    assert history[1]["elapsed_s"] > history[0]["elapsed_s"]
+    from tvmflash.tuning import Database
+
+    best = min(h["secs"] for h in history)
+    merged = Database(logs / "host")
+    assert [r.secs for r in merged.records] == [pytest.approx(best)]
+    assert tune.tune("host", [spec], ("forward",), trials=0, work_dir=work)["measured"] == 0
+
+
+def test_tune_builds_here_and_times_where_the_runtime_is(tmp_path, logs, monkeypatch):
+    """--build-only, then a run without TVM's compiler times what was built and builds nothing."""
+    from tvmflash import build
+
+    spec, work = AttentionSpec("float32", 32), tmp_path / "work"
+    built = tune.tune("host", [spec], ("forward",), trials=2, work_dir=work, build_only=True, merge=False)
+    assert built["built"] == 2 and built["measured"] == 0 and not (work / "history.jsonl").exists()
+    monkeypatch.setattr(build, "has_compiler", lambda: False)
+    timed = tune.tune("host", [spec], ("forward",), trials=3, work_dir=work, seqlens=(64,), merge=False)
+    assert timed["measured"] == 2 and timed["built"] == 0 and timed["not_built"] == 1
+
+
+def test_tune_stops_at_the_time_budget(tmp_path, logs):
+    summary = tune.tune("host", [AttentionSpec("float32", 32)], trials=4, time_budget=0, work_dir=tmp_path)
+    assert summary["measured"] == 0 and summary["out_of_time"] == 8  # 4 forward + 4 backward
+    assert not (logs / "host").exists()
+
+
+def test_tune_command_line(tmp_path, logs):
+    from typer.testing import CliRunner
+
+    from tvmflash.cli import app
+
+    result = CliRunner().invoke(app, ["tune", "--target", "host", "--spec", "fp32:d32:causal", "--phase", "forward",
+                                      "--trials", "1", "--seqlen", "64", "--work-dir", str(tmp_path / "w")])
+    assert result.exit_code == 0, result.output
+    assert "1 measured, 1 built" in result.output and "tuning_logs/host" in result.output
+    result = CliRunner().invoke(app, ["tune", "--target", "host", "--model-preset", "nope"])
+    assert result.exit_code != 0 and "llama3-8b" in result.output

@@ -61,6 +61,15 @@ def _tvm():
     return tvm
 
 
+def has_compiler() -> bool:
+    """Whether TVM's compiler is here (not a runtime-only TVM: TVM_USE_RUNTIME_LIB=1, or the
+    GPU machine's runtime bundle)."""
+    import tvm_ffi
+
+    _tvm()
+    return tvm_ffi.get_global_func("target.build.llvm", allow_missing=True) is not None
+
+
 def cache_dir() -> Path:
     path = Path(os.environ.get("TVMFLASH_CACHE_DIR", Path.home() / ".cache" / "tvmflash"))
     path.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,12 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+class Target(str, Enum):
+    cuda = "cuda"
+    avx512 = "avx512"
+    host = "host"
+
+
 class DType(str, Enum):
     fp32 = "fp32"
     bf16 = "bf16"
@@ -69,6 +75,122 @@ def bench(
     b.print_table(rows)
     json_path, png_path = b.write_results(rows, out, tag or device.value)
     Console().print(f"results: {json_path}\nplot:    {png_path}")
+
+
+@app.command()
+def tune(
+    target: Annotated[Target, typer.Option(help="Target whose schedule knobs to tune.")],
+    spec: Annotated[Optional[list[str]], typer.Option(
+        help="Spec to tune (repeatable): dtype:dN[:causal][:softcap][:alibi][:window][:kvcache], "
+             "e.g. bf16:d128:causal.")] = None,
+    model_preset: Annotated[Optional[str], typer.Option(help="Tune the specs of a model (see `tvmflash info`).")] = None,
+    dtype: Annotated[DType, typer.Option(help="Data type of a preset's specs.")] = DType.bf16,
+    phase: Annotated[Optional[list[str]], typer.Option(help="forward, backward, decode (default: all of a spec's).")] = None,
+    trials: Annotated[int, typer.Option(help="New measurements per workload (spec, phase) at most.")] = 16,
+    time_budget: Annotated[Optional[float], typer.Option(help="Seconds; no candidate starts after it.")] = None,
+    work_dir: Annotated[Optional[Path], typer.Option(
+        help="The run's MetaSchedule database and built candidates (resumable). (default: tvmflash-tune/<target>)")] = None,
+    seqlen: Annotated[Optional[list[int]], typer.Option(help="Sequence lengths a candidate is timed at.")] = None,
+    build_only: Annotated[bool, typer.Option(help="Only build candidates (time them on the target machine).")] = False,
+    merge: Annotated[bool, typer.Option(help="Merge the best records into tuning_logs/<target>/.")] = True,
+) -> None:
+    """Tune schedule knobs: build candidates, time them where the target runs, keep every
+    measurement in a MetaSchedule JSON database, merge the best per workload into tuning_logs/."""
+    from rich.console import Console
+
+    from tvmflash import tune as t
+    from tvmflash.presets import DTYPE_NAMES, MODEL_PRESETS, parse_spec
+
+    console = Console()
+    if bool(spec) == bool(model_preset):
+        raise typer.BadParameter("give --spec or --model-preset (one of them)")
+    values = {}
+    if model_preset:
+        if model_preset not in MODEL_PRESETS:
+            raise typer.BadParameter(f"unknown preset {model_preset!r}; presets: {', '.join(MODEL_PRESETS)}")
+        preset = MODEL_PRESETS[model_preset]
+        specs, values = preset.specs(DTYPE_NAMES[dtype.value]), preset.values
+    else:
+        try:
+            specs = [parse_spec(s) for s in spec]
+        except ValueError as err:
+            raise typer.BadParameter(str(err)) from None
+    work_dir = work_dir or Path("tvmflash-tune") / target.value
+    with _TuneProgress(console) as progress:
+        summary = t.tune(target.value, specs, tuple(phase) if phase else None, trials, time_budget, work_dir,
+                         build_only, tuple(seqlen) if seqlen else t.SEQLENS, merge, values, progress)
+    _print_tune_summary(console, summary, target.value, work_dir)
+
+
+class _TuneProgress:
+    """A rich progress bar over the tuner's events, with the best time so far."""
+
+    def __init__(self, console):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.console = console
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), TextColumn("{task.fields[best]}"), console=console)
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
+
+    def __call__(self, event: str, **info) -> None:
+        if event == "start":
+            what = "build + time" if info["can_build"] and info["can_time"] else (
+                "build only" if info["can_build"] else "time only")
+            self.task = self.bar.add_task(f"tuning ({what})", total=info["total"], best="")
+            return
+        c = info["candidate"]
+        label = f"{c.spec.name} {c.phase}"
+        if event == "measured":
+            best = info["best"]
+            self.bar.console.print(f"{label} {_knobs(c.knobs)}: {_ms(info['secs'])} (best {_ms(best.secs)})")
+            self.bar.update(self.task, advance=1, best=f"best {label}: {_ms(best.secs)}")
+        elif event == "failed":
+            self.bar.console.print(f"[red]{label} {_knobs(c.knobs)} failed: {info['error']}[/red]")
+        else:
+            if event == "skip":
+                self.bar.console.print(f"[yellow]{label} {_knobs(c.knobs)}: skipped, {info['reason']}[/yellow]")
+            self.bar.update(self.task, advance=1)
+
+
+def _knobs(knobs: dict) -> str:
+    """Knob values, short: per-matmul register tiles (`<kernel>.<matmul>.rows`) shown once."""
+    short = {}
+    for name, value in sorted(knobs.items()):
+        short.setdefault(name.rsplit(".", 1)[-1], set()).add(value)
+    return " ".join(f"{name}={'/'.join(map(str, sorted(v)))}" for name, v in short.items())
+
+
+def _ms(secs) -> str:
+    return "failed" if secs is None or secs >= 1e10 else f"{secs * 1e3:.3f} ms"
+
+
+def _print_tune_summary(console, summary: dict, target: str, work_dir: Path) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"best per workload ({work_dir})")
+    for column in ("spec", "phase", "time", "knobs"):
+        table.add_column(column)
+    for key, record in sorted(summary["best"].items()):
+        spec_name, phase = key.split("/")
+        table.add_row(spec_name, phase, _ms(record.secs) if record.run_secs else "-", _knobs(record.knobs))
+    console.print(table)
+    counts = ", ".join(f"{summary[k]} {k.replace('_', ' ')}" for k in ("measured", "built", "failed", "not_built",
+                                                                      "out_of_time") if summary[k])
+    console.print(f"{counts or 'nothing to do'} in {summary['elapsed_s']:.0f} s")
+    if summary["not_built"]:
+        console.print("build the rest where TVM's compiler is (same command), then time them here")
+    elif summary["built"] and not summary["measured"]:
+        console.print(f"built; time them on the {target} machine: the same command there, with {work_dir} carried")
+    for new, old in summary["merged"]:
+        console.print(f"tuning_logs/{target}: {new.spec} {new.phase} {_ms(new.secs)}"
+                      + (f" (was {_ms(old.secs)})" if old and old.run_secs else " (new)"))
 
 
 @app.command()

@@ -1,34 +1,40 @@
-"""Knob tuning: compile a grid of candidates on any machine with TVM's compiler, time them on
-the machine they are for (TVM runtime only), record the fastest per spec in
-`tuning_logs/<target>/knobs.json`, which every later build reads. Targets: `cuda` (the H100;
-nvcc here) and `avx512` (the Sapphire Rapids Xeon, 16 threads).
+"""Knob tuning: search each schedule template's knob grid for a spec on the machine it is for,
+keep every measurement in a MetaSchedule JSON database in a work directory, and merge the best
+record per workload (spec, phase) into `tuning_logs/<target>/`, which every later build reads
+(`tvmflash.tuning`). `tvmflash tune` is the command line.
 
-    python -m tvmflash.tune build DIR [forward|backward|decode] [cuda|avx512]  # DIR/<spec>/<knobs>.so + index
-    python -m tvmflash.tune time DIR      # on the target machine: DIR/timings.json
-    python -m tvmflash.tune record DIR    # here: best knobs -> tuning_logs/<target>/knobs.json
+    tvmflash tune --target cuda --spec bf16:d128:causal --trials 16 --time-budget 600
 
-The forward and the backward have separate knobs and are tuned as separate phases: a
-candidate varies one phase's knobs (the other's stay at their record) and is timed on that
-phase's kernels; the record keeps the best of each phase. The `decode` phase (CUDA) tunes the
-split-KV decode kernel of kv_cache specs, and with it the launch's CTAs per SM (which sets the
-automatic num_splits): each module is timed at every DECODE_CTAS_PER_SM value.
+Candidates are built with TVM's compiler and timed where the target runs: both at once on a
+machine that has both (a GPU box with the compiler, a Xeon for `avx512`, any CPU for `host`).
+Otherwise the same command builds here (`--build-only`, or simply no GPU / no AVX512) and, run
+again on the target machine with the work directory carried over, times what was built there
+with TVM's runtime only; run once more here, it merges. A run resumes from its database:
+measured candidates are never timed twice, `--trials` counts new measurements per workload.
 
-The CUDA kernels are TIRx native kernels generated from Python knobs, which MetaSchedule traces
-cannot describe (see the GPU cookbook). The CPU knobs are MetaSchedule decisions
-(`schedules/knobs.py`: sample instructions of the trace), but MetaSchedule's own search
-compiles on the measuring machine, and the Xeon has only TVM's runtime: so both targets search
-this explicit grid, built here and timed there.
+The forward and the backward have separate knobs and are tuned as separate phases (a
+candidate varies one phase's knobs; the others stay at their record). The `decode` phase (CUDA
+kv_cache specs) tunes the split-KV decode kernel with the launch's CTAs per SM, which sets the
+automatic num_splits (candidates differing only in it share a library).
+
+The CUDA kernels are TIRx native kernels generated from Python knobs, so the search is over the
+explicit grid of `candidates` (MetaSchedule's own search replays schedule traces, which cannot
+describe them); the records are still MetaSchedule's (see `tvmflash.tuning`).
 """
 from __future__ import annotations
 
 import itertools
 import json
-import sys
+import math
+import random
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ._paths import TUNING_LOGS_DIR
 from .spec import AttentionSpec
+from .tuning import FAILED_SECS, PHASE_KEY, SPEC_KEY, Database, tuned_knobs
 
 TUNED_SPECS = {
     "cuda": [AttentionSpec(dt, d, causal=c) for dt, d, c in itertools.product(
@@ -83,13 +89,14 @@ def candidates(spec: AttentionSpec, phase: str = "forward", arch: str = "sm_90a"
     return out
 
 
-def cpu_candidates(spec: AttentionSpec, phase: str = "forward") -> list[dict]:
-    """The avx512 knob grid of `phase`: block sizes, and for the zmm FMA kernels (all but the
-    AMX ones) one register tile shape for all of the phase's matmuls."""
+def cpu_candidates(spec: AttentionSpec, phase: str = "forward", kind: str = "avx512") -> list[dict]:
+    """The CPU knob grid of `phase`: block sizes, and for the FMA kernels (all but the AMX ones,
+    which only `avx512` has) one register tile shape for all of the phase's matmuls (rows x
+    vectors of the target's width)."""
     from .schedules.amx_forward import amx_supported
 
     prefix = "" if phase == "forward" else "bwd_"
-    tiles = [None] if amx_supported(spec) else CPU_REGISTER_TILES
+    tiles = [None] if kind == "avx512" and amx_supported(spec) else CPU_REGISTER_TILES
     out = []
     for (bq, bk), tile in itertools.product(CPU_BLOCKS, tiles):
         knobs = {f"{prefix}block_q": bq, f"{prefix}block_k": bk}
@@ -101,6 +108,45 @@ def cpu_candidates(spec: AttentionSpec, phase: str = "forward") -> list[dict]:
     return out
 
 
+TARGET_KINDS = ("cuda", "avx512", "host")
+SEQLENS = (1024, 4096)  # a candidate's score: the geometric mean of its times at these lengths
+LAUNCH_KNOBS = ("decode_ctas_per_sm",)  # set at launch, not in the module: candidates share a library
+
+
+def phases_of(spec: AttentionSpec, kind: str) -> tuple:
+    """The tuning phases of `spec` on `kind` (CPU decode kernels have no knobs)."""
+    if spec.kv_cache:
+        return ("decode",) if kind == "cuda" else ()
+    return ("forward", "backward")
+
+
+def grid(spec: AttentionSpec, phase: str, kind: str) -> list[dict]:
+    """Every candidate of `phase` for `spec` on target `kind`."""
+    if kind == "cuda":
+        found = candidates(spec, phase)
+        if phase == "decode":
+            found = [{**c, "decode_ctas_per_sm": n} for c in found for n in DECODE_CTAS_PER_SM]
+        return found
+    return cpu_candidates(spec, phase, kind)
+
+
+def target_of(kind: str) -> dict:
+    from .build import AVX512_TARGET, cuda_target, host_target
+
+    return {"cuda": cuda_target, "avx512": lambda: AVX512_TARGET, "host": host_target}[kind]()
+
+
+def runs_here(kind: str) -> bool:
+    """Whether this machine can time `kind`'s modules."""
+    if kind == "cuda":
+        import torch
+
+        return torch.cuda.is_available()
+    from .cpu import runs_avx512_amx
+
+    return kind == "host" or runs_avx512_amx()
+
+
 def _tag(knobs: dict) -> str:
     """A file name for a candidate: its knob values in a fixed order (names can be long)."""
     import hashlib
@@ -109,98 +155,250 @@ def _tag(knobs: dict) -> str:
     return f"{len(knobs)}k-" + hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def build(out_dir: Path, phase: str = "forward", kind: str = "cuda") -> None:
-    from .build import AVX512_TARGET, build_module, cuda_target
+@dataclass
+class Candidate:
+    spec: AttentionSpec
+    phase: str
+    knobs: dict
 
-    target = cuda_target("sm_90a") if kind == "cuda" else AVX512_TARGET
-    index = []
-    for spec in TUNED_SPECS["decode" if phase == "decode" else kind]:
-        for knobs in candidates(spec, phase) if kind == "cuda" else cpu_candidates(spec, phase):
-            lib = out_dir / spec.name / f"{_tag(knobs)}.so"
+    @property
+    def key(self) -> str:
+        return f"{self.spec.name}/{self.phase}/{_tag(self.knobs)}"
+
+    @property
+    def lib(self) -> str:
+        """Its library in the work directory (shared by candidates that differ in launch knobs)."""
+        return f"{self.spec.name}/{_tag({k: v for k, v in self.knobs.items() if k not in LAUNCH_KNOBS})}.so"
+
+
+def plan(kind: str, specs: list, phases: tuple | None = None, seed: int = 0) -> list[list[Candidate]]:
+    """Per workload (spec, phase): its candidates, the current record's first (the baseline),
+    the rest in a seeded random order (a resumed run continues the same order)."""
+    out = []
+    for spec in specs:
+        for phase in phases_of(spec, kind):
+            if phases and phase not in phases:
+                continue
+            found = grid(spec, phase, kind)
+            current = tuned_knobs(kind, spec)
+            first = [c for c in found if all(current.get(k) == v for k, v in c.items())][:1]
+            rest = [c for c in found if c not in first]
+            random.Random(f"{seed}/{spec.name}/{phase}").shuffle(rest)
+            out.append([Candidate(spec, phase, c) for c in first + rest])
+    return out
+
+
+def ms_lines(candidate: Candidate, grid_values: dict, target: dict) -> tuple[list, list]:
+    """The candidate's workload line and trace in MetaSchedule's JSON forms, made by
+    MetaSchedule itself (TVM's compiler): the workload is a stub PrimFunc naming the spec and
+    phase; the trace annotates its root block with the spec, the phase and each knob, a
+    `sample_categorical` over the knob's grid values decided on the candidate's value."""
+    from .build import _tvm
+
+    tvm = _tvm()
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def workload():
+        with T.sblock("root"):
+            T.evaluate(0)
+
+    func = workload.with_attr(SPEC_KEY, candidate.spec.name).with_attr(PHASE_KEY, candidate.phase)
+    mod = tvm.IRModule({"main": func})
+    sch = tvm.s_tir.Schedule(mod)
+    root = sch.get_sblock("root")
+    sch.annotate(root, SPEC_KEY, candidate.spec.name)
+    sch.annotate(root, PHASE_KEY, candidate.phase)
+    for name, value in sorted(candidate.knobs.items()):
+        values = sorted(set(grid_values.get(name, ())) | {value})
+        choice = sch.sample_categorical(values, [1 / len(values)] * len(values), decision=values.index(value))
+        sch.annotate(root, name, choice)
+    with tempfile.TemporaryDirectory(prefix="tvmflash-ms-") as tmp:
+        db = ms.database.JSONDatabase(work_dir=tmp)
+        db.commit_tuning_record(ms.database.TuningRecord(sch.trace, db.commit_workload(mod), None,
+                                                         tvm.target.Target(target), None))
+        workload_line = json.loads(Path(tmp, "database_workload.json").read_text())
+        record_line = json.loads(Path(tmp, "database_tuning_record.json").read_text())
+    return workload_line, record_line[1][0]
+
+
+class WorkDir:
+    """A tuning run's directory: the MetaSchedule database of its measurements, the built
+    candidates (`<spec>/<tag>.so`, indexed with their workload lines and traces in
+    candidates.json, so timing them needs no compiler) and history.jsonl (time and best so far
+    after each measurement)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.db = Database(self.path)
+        index = self.path / "candidates.json"
+        self.index = json.loads(index.read_text()) if index.exists() else {}
+        self.measured = {(r.spec, r.phase, _tag(r.knobs)) for r in self.db.records}
+        history = self.path / "history.jsonl"
+        lines = history.read_text().splitlines() if history.exists() else []
+        self.elapsed_before = json.loads(lines[-1])["elapsed_s"] if lines else 0.0
+
+    def is_measured(self, c: Candidate) -> bool:
+        return (c.spec.name, c.phase, _tag(c.knobs)) in self.measured
+
+    def build(self, c: Candidate, target: dict, grid_values: dict) -> None:
+        """Compile `c` (its library unless a sibling built it) and index it."""
+        from .build import build_module
+
+        lib = self.path / c.lib
+        if not lib.exists():
             lib.parent.mkdir(parents=True, exist_ok=True)
-            build_module(spec, target, knobs, only=CPU_PHASE_KERNELS.get(phase)).export_library(str(lib))
-            index.append({"spec": spec.to_dict(), "target": kind, "phase": phase, "knobs": knobs,
-                          "lib": str(lib.relative_to(out_dir))})
-            print(f"built {spec.name} {knobs}", flush=True)
-    (out_dir / "index.json").write_text(json.dumps(index, indent=1))
+            build_knobs = {k: v for k, v in c.knobs.items() if k not in LAUNCH_KNOBS}
+            only = None if target["kind"] == "cuda" else CPU_PHASE_KERNELS[c.phase]
+            build_module(c.spec, target, build_knobs, only=only).export_library(str(lib))
+        workload, trace = ms_lines(c, grid_values, target)
+        self.index[c.key] = {"spec": c.spec.to_dict(), "phase": c.phase, "knobs": c.knobs, "lib": c.lib,
+                             "target": target, "workload": workload, "trace": trace}
+        tmp = self.path / "candidates.json.tmp"
+        tmp.write_text(json.dumps(self.index, indent=1))
+        tmp.replace(self.path / "candidates.json")
+
+    def record(self, c: Candidate, secs: float | None, elapsed_s: float) -> None:
+        entry = self.index[c.key]
+        self.db.add(entry["workload"], entry["trace"], [secs if secs is not None else FAILED_SECS], entry["target"])
+        self.measured.add((c.spec.name, c.phase, _tag(c.knobs)))
+        best = self.db.best()[(c.spec.name, c.phase)]
+        with open(self.path / "history.jsonl", "a") as f:
+            f.write(json.dumps({"elapsed_s": round(self.elapsed_before + elapsed_s, 2), "spec": c.spec.name,
+                                "phase": c.phase, "knobs": c.knobs, "secs": secs, "best_secs": best.secs}) + "\n")
 
 
-SEQLENS = (1024, 4096)  # a candidate's score: the geometric mean of its times at these lengths
-
-
-def time_candidates(out_dir: Path) -> None:
-    """Time every candidate of out_dir/index.json at each of SEQLENS into out_dir/timings.json,
-    at the benchmark's shapes: CUDA B = 16384/L, H = 2048/D; CPU B = 1, H = 16 on torch's
-    threads."""
-    import math
-
+def measure(c: Candidate, entry: dict, work_dir: Path, seqlens: tuple = SEQLENS, values: dict | None = None) -> float:
+    """Seconds per call of candidate `c` (the geometric mean over `seqlens`; decode: over
+    DECODE_SEQLENS), loaded from its library with TVM's runtime; `values` are the variants'
+    (window, softcap)."""
     from .build import _load
 
-    results = []
-    for entry in json.loads((out_dir / "index.json").read_text()):
-        spec = _spec(entry["spec"])
-        kind = entry.get("target", "cuda")
-        module = _load(out_dir / entry["lib"], {"kind": "cuda" if kind == "cuda" else "llvm"})
-        kern = {name: module[name] for name in _PHASE_FUNCS[kind]
-                if module.implements_function(name, query_imports=True)}
-        if entry.get("phase") == "decode":
-            results += _time_decode(entry, kern, spec)
+    target = entry["target"]
+    module = _load(work_dir / entry["lib"], target)
+    funcs = _PHASE_FUNCS["cuda" if target["kind"] == "cuda" else "cpu"]
+    kern = {name: module[name] for name in funcs if module.implements_function(name, query_imports=True)}
+    if c.phase == "decode":
+        times = [_time_decode(kern, c.spec, c.knobs["decode_ctas_per_sm"], L) for L in DECODE_SEQLENS]
+    else:
+        time_one = _time_one if target["kind"] == "cuda" else _time_one_cpu
+        times = [time_one(kern, c.spec, L, c.phase == "backward", values or {}) for L in seqlens]
+    return math.prod(times) ** (1 / len(times)) / 1e3
+
+
+def tune(kind: str, specs: list, phases: tuple | None = None, trials: int = 16, time_budget: float | None = None,
+         work_dir: Path = Path("tvmflash-tune"), build_only: bool = False, seqlens: tuple = SEQLENS,
+         merge: bool = True, values: dict | None = None, progress=None) -> dict:
+    """Search the knob grids of `specs` on target `kind` (see the module doc). At most `trials`
+    new measurements per workload, none started after `time_budget` seconds; `values` are the
+    variants' values to time with (window, softcap). `progress(event,
+    **info)` is told of each step (the CLI draws a progress bar from it). Returns a summary."""
+    from .build import has_compiler
+
+    work = WorkDir(work_dir)
+    target = target_of(kind)
+    can_build, can_time = has_compiler(), runs_here(kind) and not build_only
+    todo = []
+    for workload in plan(kind, specs, phases):
+        fresh = [c for c in workload if not work.is_measured(c)][:trials]
+        todo += [(c, workload) for c in fresh]
+    todo = _round_robin(todo)
+    notify = progress or (lambda event, **info: None)
+    notify("start", total=len(todo), can_build=can_build, can_time=can_time)
+    summary = {"measured": 0, "built": 0, "not_built": 0, "failed": 0, "out_of_time": 0}
+    start = time.perf_counter()
+    for c, workload in todo:
+        if time_budget is not None and time.perf_counter() - start > time_budget:
+            summary["out_of_time"] += 1
+            notify("skip", candidate=c, reason="time budget")
             continue
-        backward = entry.get("phase") == "backward"
-        time_one = _time_one if kind == "cuda" else _time_one_cpu
-        per_length = {L: time_one(kern, spec, L, backward) for L in SEQLENS}
-        ms = math.prod(per_length.values()) ** (1 / len(SEQLENS))
-        unit = 1e9 if kind == "cuda" else 1e6  # TFLOP/s, GFLOP/s
-        rate = {L: _flops(spec, L, backward, kind) / t / unit for L, t in per_length.items()}
-        results.append({**entry, "ms": ms, "ms_per_seqlen": per_length,
-                        "tflops" if kind == "cuda" else "gflops": rate})
-        print(f"{spec.name} {entry['knobs']}: " + ", ".join(
-            f"L={L} {r:.0f} {'TFLOP/s' if kind == 'cuda' else 'GFLOP/s'}" for L, r in rate.items()), flush=True)
-    (out_dir / "timings.json").write_text(json.dumps(results, indent=1))
+        if c.key not in work.index:
+            if not can_build:
+                summary["not_built"] += 1
+                notify("skip", candidate=c, reason="not built (no compiler here)")
+                continue
+            values = {}
+            for knobs in (w.knobs for w in workload):
+                for k, v in knobs.items():
+                    values.setdefault(k, set()).add(v)
+            work.build(c, target, values)
+            summary["built"] += 1
+        if not can_time:
+            notify("built", candidate=c)
+            continue
+        try:
+            secs = measure(c, work.index[c.key], work.path, seqlens, values)
+        except Exception as err:  # noqa: BLE001 - a candidate that fails is recorded as failed, the run goes on
+            secs = None
+            summary["failed"] += 1
+            notify("failed", candidate=c, error=err)
+        work.record(c, secs, time.perf_counter() - start)
+        summary["measured"] += secs is not None
+        notify("measured", candidate=c, secs=secs, best=work.db.best()[(c.spec.name, c.phase)])
+    summary["best"] = {f"{s}/{p}": r for (s, p), r in work.db.best().items()}
+    summary["merged"] = work.db.merge_into(TUNING_LOGS_DIR / kind) if merge and work.db.records else []
+    summary["elapsed_s"] = time.perf_counter() - start
+    return summary
 
 
-def _time_decode(entry: dict, kern: dict, spec: AttentionSpec) -> list[dict]:
-    """A decode candidate at every DECODE_CTAS_PER_SM: ms (geomean over DECODE_SEQLENS) and
-    the K/V bandwidth reached, one result each."""
-    import math
+def _round_robin(items: list) -> list:
+    """Interleave the workloads' candidates, so a time budget is spent on all of them."""
+    queues: dict = {}
+    for c, workload in items:
+        queues.setdefault(id(workload), []).append((c, workload))
+    out = []
+    while any(queues.values()):
+        for queue in queues.values():
+            if queue:
+                out.append(queue.pop(0))
+    return out
 
+
+def time_to_fraction(history: list[dict], fraction: float = 0.95) -> dict:
+    """Per workload: tuning seconds until its best so far was within `fraction` of its final
+    best speed (from a work directory's history.jsonl)."""
+    final = {}
+    for h in history:
+        final[(h["spec"], h["phase"])] = h["best_secs"]
+    out = {}
+    for h in history:
+        key = (h["spec"], h["phase"])
+        if key not in out and h["best_secs"] * fraction <= final[key]:
+            out[key] = h["elapsed_s"]
+    return out
+
+
+def _time_decode(kern: dict, spec: AttentionSpec, per_sm: int, length: int) -> float:
+    """Milliseconds per decode call (split-KV kernel + combine), B=16, H=32, Hk=8, one query,
+    `length` keys in shuffled pages of 16, at `per_sm` CTAs per SM (the automatic splits)."""
     import torch
 
     from . import ops
 
     b, h, hk, d = 16, 32, 8, spec.head_dim
     dt = getattr(torch, spec.dtype)
-    results = []
-    for per_sm in DECODE_CTAS_PER_SM:
-        per_length = {}
-        for length in DECODE_SEQLENS:
-            q = torch.randn(b, h, 1, d, device="cuda", dtype=dt)
-            k, v = (torch.randn(b * length // 16, 16, hk, d, device="cuda", dtype=dt) for _ in range(2))
-            table = torch.randperm(b * length // 16, device="cuda").view(b, -1).to(torch.int32)
-            seqlens = torch.full((b,), length, dtype=torch.int32, device="cuda")
-            splits = max(1, per_sm * ops._sm_count(q.device) // (b * hk))
-            o_part = torch.empty(b, h, splits, 1, d, device="cuda")
-            lse_part = torch.empty(b, h, splits, 1, device="cuda")
-            out, lse = torch.empty_like(q), torch.empty(b, h, 1, device="cuda")
-            starts = torch.zeros_like(seqlens)
+    q = torch.randn(b, h, 1, d, device="cuda", dtype=dt)
+    k, v = (torch.randn(b * length // 16, 16, hk, d, device="cuda", dtype=dt) for _ in range(2))
+    table = torch.randperm(b * length // 16, device="cuda").view(b, -1).to(torch.int32)
+    seqlens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+    splits = max(1, per_sm * ops._sm_count(q.device) // (b * hk))
+    o_part = torch.empty(b, h, splits, 1, d, device="cuda")
+    lse_part = torch.empty(b, h, splits, 1, device="cuda")
+    out, lse = torch.empty_like(q), torch.empty(b, h, 1, device="cuda")
+    starts = torch.zeros_like(seqlens)
 
-            def call():
-                kern["decode"](q, k, v, table, seqlens, starts, 0, o_part, lse_part, d ** -0.5)
-                kern["decode_combine"](o_part, lse_part, out, lse)
-            call()
-            per_length[length] = _cuda_ms(call)
-        ms = math.prod(per_length.values()) ** (1 / len(per_length))
-        rate = {L: 2 * b * hk * L * d * 2 / (t * 1e-3) / 1e12 for L, t in per_length.items()}
-        results.append({**entry, "knobs": {**entry["knobs"], "decode_ctas_per_sm": per_sm}, "ms": ms,
-                        "ms_per_seqlen": per_length, "tbps": rate})
-        print(f"{spec.name} {results[-1]['knobs']}: " + ", ".join(f"L={L} {r:.2f} TB/s" for L, r in rate.items()),
-              flush=True)
-    return results
+    def call():
+        kern["decode"](q, k, v, table, seqlens, starts, 0, o_part, lse_part, d ** -0.5)
+        kern["decode_combine"](o_part, lse_part, out, lse)
+    call()
+    return _cuda_ms(call)
 
 
 _PHASE_FUNCS = {"cuda": ("forward", "backward_prep", "backward_dkdv_dq", "backward_dq_convert", "backward_dkdv",
                          "backward_dq", "decode", "decode_combine"),
-                "avx512": tuple(dict.fromkeys(sum(CPU_PHASE_KERNELS.values(), ())))}
+                "cpu": tuple(dict.fromkeys(sum(CPU_PHASE_KERNELS.values(), ())))}
 
 
 def _shape(spec: AttentionSpec, seqlen: int, kind: str) -> tuple:
@@ -208,14 +406,22 @@ def _shape(spec: AttentionSpec, seqlen: int, kind: str) -> tuple:
     return (16384 // seqlen, 2048 // spec.head_dim) if kind == "cuda" else (1, 16)
 
 
-def _flops(spec: AttentionSpec, seqlen: int, backward: bool, kind: str = "cuda") -> float:
-    from .bench import flops_forward
+def _mod_args(spec: AttentionSpec, q, values: dict) -> tuple:
+    """The variants' kernel arguments for timing (`values`: window, softcap; ALiBi slopes are
+    the usual geometric ones)."""
+    import torch
 
-    forward = flops_forward(*_shape(spec, seqlen, kind), seqlen, spec.head_dim, spec.causal != "none")
-    return forward * (2.5 if backward else 1)  # the benchmark's backward convention
+    from . import ops
+
+    if spec.mask != "none" or spec.flex or {"dropout", "varlen"} & set(spec.variants):
+        raise ValueError(f"tuning takes plain, causal, window, softcap and ALiBi specs, not {spec.name}")
+    b, h, length, _ = q.shape
+    slopes = 2.0 ** (-8.0 * torch.arange(1, h + 1, device=q.device) / h) if "alibi" in spec.variants else None
+    return ops._mod_args(spec, (b, h, length, length), None, values.get("window", (-1, -1)),
+                         values.get("softcap", 0.0), slopes)
 
 
-def _time_one(kern: dict, spec: AttentionSpec, seqlen: int, backward: bool) -> float:
+def _time_one(kern: dict, spec: AttentionSpec, seqlen: int, backward: bool, values: dict) -> float:
     """Milliseconds per call of the forward, or of the backward (prep, dK/dV/dQ, convert)."""
     import torch
 
@@ -226,15 +432,16 @@ def _time_one(kern: dict, spec: AttentionSpec, seqlen: int, backward: bool) -> f
     q, k, v, do = (torch.randn(b, h, seqlen, d, device="cuda", dtype=dt) for _ in range(4))
     o, dq, dk, dv = (torch.empty_like(q) for _ in range(4))
     lse = torch.empty(b, h, seqlen, device="cuda", dtype=torch.float32)
+    args = _mod_args(spec, q, values)
 
     def call():
         if backward:
-            _backward_cuda(kern, do, q, k, v, o, lse, None, (), d ** -0.5, False, dq, dk, dv)
+            _backward_cuda(kern, do, q, k, v, o, lse, None, args, d ** -0.5, False, dq, dk, dv)
         else:
-            kern["forward"](q, k, v, o, lse, d ** -0.5)
+            kern["forward"](q, k, v, o, lse, d ** -0.5, *args)
 
     with _on_stream(q.device):
-        kern["forward"](q, k, v, o, lse, d ** -0.5)
+        kern["forward"](q, k, v, o, lse, d ** -0.5, *args)
         for _ in range(3):
             call()
         return _cuda_ms(call)
@@ -256,7 +463,7 @@ def _cuda_ms(call, iters: int = 20) -> float:
 CPU_SAMPLES, CPU_SAMPLE_S = 3, 0.1  # a CPU candidate's time: median of this many samples of >= this long
 
 
-def _time_one_cpu(kern: dict, spec: AttentionSpec, seqlen: int, backward: bool) -> float:
+def _time_one_cpu(kern: dict, spec: AttentionSpec, seqlen: int, backward: bool, values: dict) -> float:
     """Milliseconds per call of the forward (with its packs), or of the backward (delta, the
     planned dK/dV/dQ kernels, packs): the median of CPU_SAMPLES samples after a warm-up call."""
     import statistics
@@ -270,17 +477,18 @@ def _time_one_cpu(kern: dict, spec: AttentionSpec, seqlen: int, backward: bool) 
     request_amx()  # before the first AMX kernel of the process
 
     dt = getattr(torch, spec.dtype)
-    b, h = _shape(spec, seqlen, "avx512")
+    b, h = _shape(spec, seqlen, "cpu")
     q, k, v, do = (torch.randn(b, h, seqlen, spec.head_dim, dtype=dt) for _ in range(4))
     o, dq, dk, dv = (torch.empty_like(q) for _ in range(4))
     lse = torch.zeros(b, h, seqlen, dtype=torch.float32)
     scale = spec.head_dim ** -0.5
+    args = _mod_args(spec, q, values)
 
     def call():
         if backward:
-            _backward_cpu(kern, do, q, k, v, o, lse, None, (), scale, dq, dk, dv)
+            _backward_cpu(kern, do, q, k, v, o, lse, None, args, scale, dq, dk, dv)
         else:
-            kern["forward"](q, k, v, o, lse, scale, *_amx_packs(kern, k, v))
+            kern["forward"](q, k, v, o, lse, scale, *args, *_amx_packs(kern, k, v))
 
     start = clock.perf_counter()
     call()
@@ -292,36 +500,3 @@ def _time_one_cpu(kern: dict, spec: AttentionSpec, seqlen: int, backward: bool) 
             call()
         samples.append((clock.perf_counter() - start) / iters * 1e3)
     return statistics.median(samples)
-
-
-def _spec(fields: dict) -> AttentionSpec:
-    """A spec from its to_dict() form (logs written before `variants` had `score_mods: []`)."""
-    return AttentionSpec(**{k: tuple(v) if k == "variants" else v for k, v in fields.items() if k != "score_mods"})
-
-
-def record(out_dir: Path) -> None:
-    """Merge the fastest candidate per spec and phase into tuning_logs/<target>/knobs.json."""
-    best: dict = {}
-    for r in json.loads((out_dir / "timings.json").read_text()):
-        key = (r.get("target", "cuda"), _spec(r["spec"]).name, r.get("phase", "forward"))
-        if key not in best or r["ms"] < best[key]["ms"]:
-            best[key] = r
-    for kind in sorted({k[0] for k in best}):
-        path = TUNING_LOGS_DIR / kind / "knobs.json"
-        records = json.loads(path.read_text()) if path.exists() else {}
-        for (_, name, phase), r in sorted(item for item in best.items() if item[0][0] == kind):
-            records[name] = {**records.get(name, {}), **r["knobs"]}
-            print(f"{kind} {name} {phase}: {r['knobs']} {r.get('tflops') or r.get('gflops') or r.get('tbps')}")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(records, indent=1, sort_keys=True) + "\n")
-
-
-def main(argv: list[str]) -> None:
-    verb, out_dir, *rest = argv
-    start = time.time()
-    {"build": build, "time": time_candidates, "record": record}[verb](Path(out_dir), *rest)
-    print(f"{verb}: {time.time() - start:.0f} s")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
