@@ -1,5 +1,6 @@
 """The on-disk module cache: reused by a fresh process, rebuilt when corrupt, built once when
-two processes ask for the same spec at the same moment."""
+two processes ask for the same spec at the same moment, a temp dir where it cannot be written,
+a new key for a new TVM version."""
 import os
 import shutil
 import subprocess
@@ -18,8 +19,8 @@ print("ok")
 """
 
 
-def start(cache: Path):
-    env = {**os.environ, "TVMFLASH_CACHE_DIR": str(cache)}
+def start(cache: Path, extra_env: dict | None = None):
+    env = {**os.environ, "TVMFLASH_CACHE_DIR": str(cache), **(extra_env or {})}
     env.pop("TVMFLASH_QUIET", None)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     return subprocess.Popen([sys.executable, "-c", SNIPPET], env=env, text=True,
@@ -54,3 +55,39 @@ def test_corrupt_module_is_rebuilt(built_cache, tmp_path, damage):
     lib.write_bytes(data[: len(data) // 2] if damage == "truncate" else data[:-1] + bytes([data[-1] ^ 1]))
     assert "tvmflash: building" in finish(start(cache))
     assert "building" not in finish(start(cache))  # the rebuilt module is trusted again
+
+
+def test_unwritable_cache_dir_falls_back_to_a_temp_dir_with_a_warning(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")  # the cache dir would be inside a file: it cannot be created
+    env = {"TMPDIR": str(tmp_path / "tmp")}
+    (tmp_path / "tmp").mkdir()
+    err = finish(start(blocker / "cache", env))
+    assert "is not writable; building into" in err and "tvmflash: building" in err
+    assert list((tmp_path / "tmp").glob("tvmflash-cache-*/*.so"))
+
+
+def test_read_only_cache_serves_what_it_holds(built_cache, monkeypatch):
+    """Modules already in a read-only cache are used, not rebuilt elsewhere."""
+    from tvmflash import build
+    from tvmflash.spec import AttentionSpec
+
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(built_cache))
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == built_cache else real_access(p, mode))
+    monkeypatch.setattr(build, "build_module", lambda *a, **k: pytest.fail("rebuilt"))
+    with pytest.warns(RuntimeWarning, match="not writable"):
+        lib = build.build_cached(AttentionSpec("float32", 16), build.cpu_target())
+    assert lib.parent == built_cache
+
+
+def test_a_tvm_version_change_is_a_new_module_key(monkeypatch):
+    import tvm
+
+    from tvmflash import build
+    from tvmflash.spec import AttentionSpec
+
+    spec, target = AttentionSpec("float32", 16), build.AVX512_TARGET
+    key = build.module_key(spec, target)
+    monkeypatch.setattr(tvm, "__version__", "0.28.0")
+    assert build.module_key(spec, target) != key

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 from filelock import FileLock
@@ -70,18 +71,47 @@ def has_compiler() -> bool:
     return tvm_ffi.get_global_func("target.build.llvm", allow_missing=True) is not None
 
 
+def configured_cache_dir() -> Path:
+    """$TVMFLASH_CACHE_DIR, default ~/.cache/tvmflash (modules are looked up here first)."""
+    return Path(os.environ.get("TVMFLASH_CACHE_DIR", Path.home() / ".cache" / "tvmflash"))
+
+
 def cache_dir() -> Path:
-    path = Path(os.environ.get("TVMFLASH_CACHE_DIR", Path.home() / ".cache" / "tvmflash"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """Where modules are written: the configured cache directory, or, where that cannot be
+    written (a read-only mount), a per-user directory under the system's temp dir (warned once)."""
+    path = configured_cache_dir()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if os.access(path, os.W_OK):
+            return path
+    except OSError:
+        pass
+    fallback = Path(tempfile.gettempdir()) / f"tvmflash-cache-{os.getuid()}"
+    fallback.mkdir(parents=True, exist_ok=True)
+    if path not in _warned_read_only:
+        _warned_read_only.add(path)
+        warnings.warn(f"tvmflash: the cache directory {path} is not writable; building into {fallback}",
+                      RuntimeWarning, stacklevel=2)
+    return fallback
+
+
+_warned_read_only: set = set()
 
 
 # ----------------------------------------------------------------------------- targets
 @functools.lru_cache(maxsize=None)
 def host_target() -> dict:
     """LLVM for this CPU; TVMFLASH_HOST_MCPU overrides the CPU model (e.g. `haswell` for an
-    AVX2-only build on an AVX512 machine)."""
-    mcpu = os.environ.get("TVMFLASH_HOST_MCPU") or _tvm().target.codegen.llvm_get_system_cpu()
+    AVX2-only build on an AVX512 machine). A runtime-only TVM cannot ask LLVM: it takes the
+    model of the exported host modules."""
+    from .deploy import exported_host_mcpu
+
+    mcpu = os.environ.get("TVMFLASH_HOST_MCPU")
+    if not mcpu:
+        mcpu = _tvm().target.codegen.llvm_get_system_cpu() if has_compiler() else exported_host_mcpu()
+    if not mcpu:
+        raise RuntimeError("TVM's compiler is not available (runtime only) and no exported host module was "
+                           "loaded: set TVMFLASH_HOST_MCPU or load modules exported for this CPU")
     return {"kind": "llvm", "mcpu": mcpu, "num-cores": os.cpu_count() or 1}
 
 
@@ -327,6 +357,13 @@ def build_cached(spec: AttentionSpec, target: dict, rebuild: bool = False) -> Pa
     lib = library_path(spec, target)
     if not rebuild and _is_intact(lib):
         return lib
+    shipped = configured_cache_dir() / lib.name  # a read-only cache still serves what it holds
+    if not rebuild and shipped != lib and _is_intact(shipped):
+        return shipped
+    if not has_compiler():
+        raise RuntimeError(f"no module for {spec.name} on {target_label(target)}: it was not exported (see "
+                           "tvmflash.load_exported / TVMFLASH_EXPORTED) nor cached, and TVM's compiler is not "
+                           "available here (runtime only) to build it")
     with FileLock(str(lib) + ".lock"):
         if not rebuild and _is_intact(lib):  # another process built it meanwhile
             return lib
@@ -341,16 +378,23 @@ def build_cached(spec: AttentionSpec, target: dict, rebuild: bool = False) -> Pa
 
 def load_cached(spec: AttentionSpec, target: dict | None = None) -> dict:
     """The kernels of `spec` for `target` (default: cpu_target()), by name: from this process,
-    from the disk cache, or built now. A library that fails to load is rebuilt once."""
+    from exported modules (tvmflash.deploy), from the disk cache, or built now. A cached
+    library that fails to load is rebuilt once."""
+    from .deploy import exported_library
+
     target = target if target is not None else cpu_target()
     key = (spec, json.dumps(target, sort_keys=True))
     with _lock:
         if key not in _modules:
-            lib = build_cached(spec, target)
-            try:
-                module = _load(lib, target)
-            except Exception:  # noqa: BLE001 - e.g. a library built for another machine
-                module = _load(build_cached(spec, target, rebuild=True), target)
+            exported = exported_library(spec, target)
+            if exported is not None:  # checked when it was loaded
+                module = _load(exported, target)
+            else:
+                lib = build_cached(spec, target)
+                try:
+                    module = _load(lib, target)
+                except Exception:  # noqa: BLE001 - e.g. a library built for another machine
+                    module = _load(build_cached(spec, target, rebuild=True), target)
             kernels = {name: module[name] for name in kernels_of(spec, target)}
             if target["kind"] != "cuda" and not spec.kv_cache:
                 kernels.update((name, module[name]) for name in CPU_OPTIONAL_KERNELS

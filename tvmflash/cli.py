@@ -77,13 +77,108 @@ def bench(
     Console().print(f"results: {json_path}\nplot:    {png_path}")
 
 
+SPEC_HELP = "Spec (repeatable): dtype:dN[:causal][:softcap][:alibi][:window][:kvcache], e.g. bf16:d128:causal."
+PRESET_HELP = "The specs of a model (see `tvmflash info`)."
+
+
+def _select_specs(spec: Optional[list[str]], model_preset: Optional[str], dtype: DType) -> tuple[list, dict]:
+    """The specs named on the command line, and the variants' values (a preset's window and
+    softcap; for timing)."""
+    from tvmflash.presets import DTYPE_NAMES, MODEL_PRESETS, parse_spec
+
+    if bool(spec) == bool(model_preset):
+        raise typer.BadParameter("give --spec or --model-preset (one of them)")
+    if model_preset:
+        if model_preset not in MODEL_PRESETS:
+            raise typer.BadParameter(f"unknown preset {model_preset!r}; presets: {', '.join(MODEL_PRESETS)}")
+        preset = MODEL_PRESETS[model_preset]
+        return preset.specs(DTYPE_NAMES[dtype.value]), preset.values
+    try:
+        return [parse_spec(s) for s in spec], {}
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+
+
+def _target(target: Target, arch: Optional[str], mcpu: Optional[str]) -> dict:
+    import os
+
+    from tvmflash import build
+
+    if target == Target.cuda:
+        return build.cuda_target(arch)
+    if target == Target.avx512:
+        return build.AVX512_TARGET
+    if mcpu:
+        os.environ["TVMFLASH_HOST_MCPU"] = mcpu
+    return build.host_target()
+
+
+def _build_specs(console, specs: list, target: dict, out: Optional[Path]) -> None:
+    """Build each spec's module for `target` into the cache (and export them to `out`), with
+    a progress bar (a cold build takes seconds to minutes per spec)."""
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tvmflash import build, deploy
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task(f"building for {build.target_label(target)}", total=len(specs))
+        for spec in specs:
+            bar.update(task, description=f"{spec.name} ({build.target_label(target)})")
+            start = time.perf_counter()
+            cached = build.library_path(spec, target).exists()
+            if out is not None:
+                deploy.export([spec], target, out)
+            else:
+                build.build_cached(spec, target)
+            how = "cached" if cached else "built"
+            bar.console.print(f"{spec.name}: {how} in {time.perf_counter() - start:.1f} s")
+            bar.update(task, advance=1)
+    if out is not None:
+        console.print(f"manifest: {out / deploy.MANIFEST}")
+
+
+@app.command()
+def build(
+    target: Annotated[Target, typer.Option(help="Target to build for.")],
+    spec: Annotated[Optional[list[str]], typer.Option(help=SPEC_HELP)] = None,
+    model_preset: Annotated[Optional[str], typer.Option(help=PRESET_HELP)] = None,
+    dtype: Annotated[DType, typer.Option(help="Data type of a preset's specs.")] = DType.bf16,
+    arch: Annotated[Optional[str], typer.Option(help="CUDA arch (default sm_90a).")] = None,
+    mcpu: Annotated[Optional[str], typer.Option(help="LLVM CPU model of the host target (default: this CPU).")] = None,
+) -> None:
+    """Compile modules into the cache ($TVMFLASH_CACHE_DIR), so first calls do not wait."""
+    from rich.console import Console
+
+    specs, _ = _select_specs(spec, model_preset, dtype)
+    _build_specs(Console(), specs, _target(target, arch, mcpu), None)
+
+
+@app.command()
+def export(
+    target: Annotated[Target, typer.Option(help="Target to build for.")],
+    out: Annotated[Path, typer.Option(help="Directory for the libraries and manifest.json.")],
+    spec: Annotated[Optional[list[str]], typer.Option(help=SPEC_HELP)] = None,
+    model_preset: Annotated[Optional[str], typer.Option(help=PRESET_HELP)] = None,
+    dtype: Annotated[DType, typer.Option(help="Data type of a preset's specs.")] = DType.bf16,
+    arch: Annotated[Optional[str], typer.Option(help="CUDA arch (default sm_90a).")] = None,
+    mcpu: Annotated[Optional[str], typer.Option(help="LLVM CPU model of the host target (default: this CPU).")] = None,
+) -> None:
+    """Build modules and export them with a manifest, for tvmflash.load_exported (runtime-only
+    deployments: TVM_USE_RUNTIME_LIB=1, no compiler)."""
+    from rich.console import Console
+
+    specs, _ = _select_specs(spec, model_preset, dtype)
+    _build_specs(Console(), specs, _target(target, arch, mcpu), out)
+
+
 @app.command()
 def tune(
     target: Annotated[Target, typer.Option(help="Target whose schedule knobs to tune.")],
-    spec: Annotated[Optional[list[str]], typer.Option(
-        help="Spec to tune (repeatable): dtype:dN[:causal][:softcap][:alibi][:window][:kvcache], "
-             "e.g. bf16:d128:causal.")] = None,
-    model_preset: Annotated[Optional[str], typer.Option(help="Tune the specs of a model (see `tvmflash info`).")] = None,
+    spec: Annotated[Optional[list[str]], typer.Option(help=SPEC_HELP)] = None,
+    model_preset: Annotated[Optional[str], typer.Option(help=PRESET_HELP)] = None,
     dtype: Annotated[DType, typer.Option(help="Data type of a preset's specs.")] = DType.bf16,
     phase: Annotated[Optional[list[str]], typer.Option(help="forward, backward, decode (default: all of a spec's).")] = None,
     trials: Annotated[int, typer.Option(help="New measurements per workload (spec, phase) at most.")] = 16,
@@ -99,22 +194,9 @@ def tune(
     from rich.console import Console
 
     from tvmflash import tune as t
-    from tvmflash.presets import DTYPE_NAMES, MODEL_PRESETS, parse_spec
 
     console = Console()
-    if bool(spec) == bool(model_preset):
-        raise typer.BadParameter("give --spec or --model-preset (one of them)")
-    values = {}
-    if model_preset:
-        if model_preset not in MODEL_PRESETS:
-            raise typer.BadParameter(f"unknown preset {model_preset!r}; presets: {', '.join(MODEL_PRESETS)}")
-        preset = MODEL_PRESETS[model_preset]
-        specs, values = preset.specs(DTYPE_NAMES[dtype.value]), preset.values
-    else:
-        try:
-            specs = [parse_spec(s) for s in spec]
-        except ValueError as err:
-            raise typer.BadParameter(str(err)) from None
+    specs, values = _select_specs(spec, model_preset, dtype)
     work_dir = work_dir or Path("tvmflash-tune") / target.value
     with _TuneProgress(console) as progress:
         summary = t.tune(target.value, specs, tuple(phase) if phase else None, trials, time_budget, work_dir,
