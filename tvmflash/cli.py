@@ -285,23 +285,61 @@ def plot(results: Annotated[Path, typer.Argument(help="A results JSON written by
 
 @app.command()
 def info() -> None:
-    """Show torch version, threads, relevant CPU features and CUDA availability."""
+    """This machine's targets (CPU features, GPU), TVM (compiler or runtime only), the module
+    cache, exported modules, tuning records per target and the model presets."""
     import torch
     from rich.console import Console
     from rich.table import Table
 
+    from tvmflash import build, deploy, tuning
     from tvmflash.bench import machine_info
+    from tvmflash.presets import MODEL_PRESETS
 
+    console = Console()
     m = machine_info()
-    table = Table(show_header=False, box=None)
-    table.add_row("torch", m["torch"])
-    table.add_row("torch threads", str(m["torch_threads"]))
+    table = Table(title="machine", show_header=False)
+    table.add_row("torch", f"{m['torch']} ({m['torch_threads']} threads)")
+    table.add_row("TVM", f"{build._tvm().__version__} ({'compiler' if build.has_compiler() else 'runtime only'})")
     table.add_row("cpu", f"{m['cpu_model']} ({m['cpu_count']} logical cores)")
-    for flag, present in m["cpu_flags"].items():
-        table.add_row(flag, "[green]yes[/green]" if present else "[red]no[/red]")
-    gpu = torch.cuda.get_device_name() if m["cuda_available"] else None
-    table.add_row("cuda", f"yes ({gpu})" if gpu else "no")
-    Console().print(table)
+    table.add_row("cpu features", " ".join(f"{flag}:{'yes' if on else 'no'}" for flag, on in m["cpu_flags"].items()))
+    try:
+        cpu = build.target_label(build.cpu_target())
+    except RuntimeError as err:  # runtime only, nothing exported for this CPU
+        cpu = f"none ({err})"
+    table.add_row("cpu target", cpu)
+    gpu = [f"{torch.cuda.get_device_name(i)} ({build.cuda_target_for_device(i)['arch']})"
+           for i in range(torch.cuda.device_count())] if m["cuda_available"] else []
+    table.add_row("cuda", ", ".join(gpu) or "no GPU")
+    console.print(table)
+
+    cache = build.configured_cache_dir()
+    libs = sorted(cache.glob("*.so")) if cache.exists() else []
+    table = Table(title=f"module cache {cache}: {len(libs)} modules, "
+                        f"{sum(p.stat().st_size for p in libs) / 2**20:.1f} MiB")
+    for column in ("spec", "target", "MiB"):
+        table.add_column(column)
+    for lib in libs:
+        spec_name, label, _ = lib.stem.rsplit("-", 2)
+        table.add_row(spec_name, label, f"{lib.stat().st_size / 2**20:.1f}")
+    console.print(table)
+    deploy._load_env()
+    if deploy._exported:
+        console.print("exported modules: " + ", ".join(f"{s.name} ({label})" for s, _, label in deploy._exported))
+
+    table = Table(title="tuning records (tuning_logs/)")
+    for column in ("target", "specs with records"):
+        table.add_column(column)
+    for kind in ("cuda", "avx512", "host"):
+        names = tuning.tuned_spec_names(kind)
+        table.add_row(kind, "\n".join(names) if names else "none (schedule defaults)")
+    console.print(table)
+    table = Table(title="model presets (--model-preset)")
+    for column in ("preset", "heads / kv heads / head dim", "variants"):
+        table.add_column(column)
+    for p in MODEL_PRESETS.values():
+        table.add_row(p.name, f"{p.heads} / {p.kv_heads} / {p.head_dim}",
+                      ", ".join(f"{k} {v}" for k, v in p.values.items()) or "causal")
+    console.print(table)
 
 
 def main() -> None:
