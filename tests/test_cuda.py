@@ -462,3 +462,127 @@ def test_cuda_kvcache_long(layout, num_splits):
 
     check_kvcache(layout, True, (-1, -1), "interleaved", 2, 1, "cuda", torch.bfloat16, (8, 2), 128,
                   capacity=2100, lengths=(700, 0, 2000), num_splits=num_splits)
+
+
+@needs_gpu
+def test_cuda_graph_capture_of_forward_backward_and_decode():
+    """A training step (forward + backward) and a decode step captured in CUDA graphs replay
+    with new inputs to the same results as eager calls: no host syncs, no allocations outside
+    the graph's pool."""
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    q, k, v, dout = (torch.randn(2, 300, 4, 128, device="cuda", dtype=dt) for _ in range(4))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+
+    def step():
+        out = tvmflash.flash_attn_func(q, k, v, causal=True)
+        out.backward(dout)
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (module loads, workspace) outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    for x in (q, k, v):
+        x.grad = None
+    with torch.cuda.graph(graph):
+        static_out = step()
+    with torch.no_grad():
+        for x in (q, k, v, dout):
+            x.copy_(torch.randn_like(x))
+    graph.replay()
+    eager = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    ref = tvmflash.flash_attn_func(*eager, causal=True)
+    ref.backward(dout)
+    assert torch.equal(static_out, ref)
+    for x, e in zip((q, k, v), eager):  # dQ accumulates atomically: equal up to summation order
+        assert (x.grad.float() - e.grad.float()).abs().max() < 2e-2
+
+    # decode: one query per sequence against a paged cache, lengths in a device tensor
+    pages = torch.randperm(64, device="cuda", dtype=torch.int32).view(4, 16)
+    k_cache, v_cache = (torch.randn(64, 16, 2, 128, device="cuda", dtype=dt) for _ in range(2))
+    lengths = torch.tensor([5, 100, 256, 17], device="cuda", dtype=torch.int32)
+    query = torch.randn(4, 1, 8, 128, device="cuda", dtype=dt)
+
+    def decode():
+        return tvmflash.flash_attn_with_kvcache(query, k_cache, v_cache, cache_seqlens=lengths, block_table=pages)
+
+    with torch.cuda.stream(side):
+        decode()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_decoded = decode()
+    query.copy_(torch.randn_like(query))
+    lengths.copy_(torch.tensor([200, 1, 33, 250], device="cuda", dtype=torch.int32))
+    graph.replay()
+    assert torch.equal(static_decoded, decode())
+
+
+@needs_gpu
+def test_cuda_tensors_above_2_31_elements():
+    """q/k/v/out of 2^31 + 2^17 elements (one head of 2^24 + 1024 positions, D = 128, a
+    64-key causal window so the work stays small): the rows past element 2^31 attend, and
+    their gradients flow, as the same problem on a slice of the last positions."""
+    length, d, w, tail = 2 ** 24 + 1024, 128, 63, 256
+    if torch.cuda.get_device_properties(0).total_memory < 60 * 2 ** 30:
+        pytest.skip("needs ~50 GB of GPU memory")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, length, 1, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    assert q.numel() > 2 ** 31
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = tvmflash.flash_attn_func(q, k, v, causal=True, window_size=(w, 0))
+    dout = torch.zeros_like(out)
+    dout[:, -tail:] = torch.randn(1, tail, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    out.backward(dout)
+    # the last `tail` queries see keys [L - tail - w, L): the same problem on that slice
+    sq, sk, sv = (x.detach()[:, s:].clone().requires_grad_()
+                  for x, s in ((q, length - tail), (k, length - tail - w), (v, length - tail - w)))
+    ref = tvmflash.flash_attn_func(sq, sk, sv, causal=True, window_size=(w, 0))
+    ref.backward(dout[:, -tail:])
+    assert (out[:, -tail:].float() - ref.float()).abs().max() < 1e-2  # tiles cut elsewhere: sums reorder
+    assert (q.grad[:, -tail:].float() - sq.grad.float()).abs().max() < 1e-2
+    # keys in the last `tail` positions get gradients only from the slice's queries
+    assert (k.grad[:, -tail:].float() - sk.grad[:, w:].float()).abs().max() < 1e-2
+    assert (v.grad[:, -tail:].float() - sv.grad[:, w:].float()).abs().max() < 1e-2
+    del q, k, v, out, dout
+
+
+RUNTIME_ONLY_CUDA = """
+import torch, tvmflash
+from tvmflash import build
+assert not build.has_compiler()
+q, k, v, dout = (torch.randn(2, 333, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+out = tvmflash.flash_attn_func(*leaves, causal=True)
+out.backward(dout)
+ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+ref = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in ref_leaves), is_causal=True)
+ref.transpose(1, 2).backward(dout)
+assert (out - ref.transpose(1, 2)).abs().max() < 2e-2
+assert all((a.grad - b.grad).abs().max() < 5e-2 for a, b in zip(leaves, ref_leaves))
+print("ok")
+"""
+
+
+@needs_gpu
+def test_cuda_runs_exported_modules_with_the_runtime_only(tmp_path):
+    """Modules exported on another machine (`tvmflash export --target cuda`, directory in
+    TVMFLASH_TEST_EXPORTED) run in a process with TVM's runtime only and an empty cache."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exported = os.environ.get("TVMFLASH_TEST_EXPORTED")
+    if not exported:
+        pytest.skip("TVMFLASH_TEST_EXPORTED names no exported directory")
+    env = {**os.environ, "TVM_USE_RUNTIME_LIB": "1", "TVMFLASH_EXPORTED": exported,
+           "TVMFLASH_CACHE_DIR": str(tmp_path / "empty")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", RUNTIME_ONLY_CUDA], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    assert not list((tmp_path / "empty").glob("*.so"))
