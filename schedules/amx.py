@@ -54,7 +54,7 @@ def exp2_16(x):
     exponent bits in four); exp(s) is exp2_16(s * log2(e)) with the factor folded into the
     caller's scale. Lanes with x <= -125 (masked scores are -inf) are zeroed by the scalef's own
     mask: exactly 0 (a fully masked row must keep l = 0), and never a denormal, whose microcode
-    assist per vector made masked tiles several times slower than others."""
+    assist per vector made masked tiles several times slower than others. NaN stays NaN."""
     v16 = lambda c: tirx.Broadcast(tirx.const(c, F32), 16)  # noqa: E731
     n = tirx.nearbyint(x)
     f = x - n
@@ -63,7 +63,7 @@ def exp2_16(x):
         p = p * f + v16(c)
     scaled = tirx.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.mask.scalef.ps.512", p, n, p,
                                         tirx.const(-1, "int16"), tirx.const(4, "int32"))
-    return tirx.Select(x > v16(-125.0), scaled, v16(0.0))  # LLVM folds it into the scalef's zero-mask
+    return tirx.Select(x <= v16(-125.0), v16(0.0), scaled)  # LLVM folds it into the scalef's zero-mask
 
 
 def pair_bits(lo, hi):

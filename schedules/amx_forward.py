@@ -284,13 +284,13 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                     with T.sblock("store_lse"):
                         vi = T.axis.remap("S", [i])
                         T.where(q0 + i < LQ)
-                        LSE[vb, vh, q0 + vi] = T.Select(l[vi] > T.float32(0), (m[vi] + T.log2(l[vi])) * T.float32(LN2),
-                                                        NEG_INF)
+                        LSE[vb, vh, q0 + vi] = T.Select(l[vi] == T.float32(0), NEG_INF,
+                                                        (m[vi] + T.log2(l[vi])) * T.float32(LN2))
                 for i, d in T.grid(BQ, D):
                     with T.sblock("store_o"):
                         vi, vd = T.axis.remap("SS", [i, d])
                         T.where(q0 + i < LQ)
                         O[vb, vh, q0 + vi, vd] = T.Cast(
-                            BF16, T.Select(l[vi] > T.float32(0), accT[vd, vi] / l[vi], T.float32(0)))
+                            BF16, T.Select(l[vi] == T.float32(0), T.float32(0), accT[vd, vi] / l[vi]))
 
     return fwd.with_attr("global_symbol", "forward")

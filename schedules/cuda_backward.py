@@ -21,7 +21,7 @@ GPU is here. Four kernels:
   a dQ kernel with one CTA per q-block that walks its kv-blocks like the forward (recomputing
   S and dP): no atomics, bitwise reproducible, two more GEMMs.
 
-Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/knobs.json):
+Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/ (tvmflash.tuning)):
     bwd_block_n   keys per dK/dV CTA (16 per warp)
     bwd_block_m   queries per streamed q-block in the dK/dV kernel
     bwd_stages    Q/dO/stats buffers in the ring (3 saves one CTA barrier per q-block)

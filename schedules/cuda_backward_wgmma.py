@@ -18,7 +18,7 @@ wgmma's swizzled layout, see `cuda_wgmma`). Per q-block, with keys as the M dime
                                    them to the fp32 accumulator, staged in shared memory, with
                                    one bulk reduction (`cp.reduce.async.bulk .add.f32`) per row.
 
-Knobs (`default_knobs`; tuned values in tuning_logs/cuda/knobs.json):
+Knobs (`default_knobs`; tuned values in tuning_logs/cuda/ (tvmflash.tuning)):
     bwd_wgmma             1: this kernel where `supports` says so; 0: the mma.sync kernel
     bwd_wgmma_warpgroups  warpgroups per CTA (keys per CTA = 64 * warpgroups)
     bwd_wgmma_block_m     queries per streamed q-block (64 or 128; 128 halves the per-step

@@ -35,8 +35,8 @@ from tvmflash.kernels.score_mods import ScoreIndex
 from tvmflash.spec import DECODE_ROWS as ROWS
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (CP_ASYNC, LN2, PAD, copy_tile, load_a, load_b, load_b_trans, mma_16x16, mma_op, rescale_rows, smem_scope,
-                       softmax_tile, to_a_fragments)
+from .cuda_mma import (CP_ASYNC, LN2, PAD, copy_tile, load_a, load_b, load_b_trans, mma_16x16, mma_op, rescale_rows,
+                       smem_scope, softmax_tile, to_a_fragments)
 
 DEFAULTS = {"decode_block_n": 32, "decode_stages": 3, "decode_l2_prefetch": 256}
 
@@ -181,10 +181,10 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                 for dd in T.unroll(ND):
                     for e in T.unroll(2):
                         O[b, head(r), split, qi(r), dd * 8 + lane % 4 * 2 + e] = T.Select(
-                            l[hh] > T.float32(0), o[dd * 4 + hh * 2 + e] / l[hh], T.float32(0))
+                            l[hh] == T.float32(0), T.float32(0), o[dd * 4 + hh * 2 + e] / l[hh])
                 if lane % 4 == 0:
-                    LSE[b, head(r), split, qi(r)] = T.Select(l[hh] > T.float32(0),
-                                                             m[hh] * T.float32(LN2) + T.log(l[hh]), NEG_INF)
+                    LSE[b, head(r), split, qi(r)] = T.Select(l[hh] == T.float32(0),
+                                                             NEG_INF, m[hh] * T.float32(LN2) + T.log(l[hh]))
 
     return decode.with_attr("global_symbol", "decode")
 
@@ -233,9 +233,9 @@ def combine_kernel_cuda(spec: AttentionSpec) -> tirx.PrimFunc:
                         acc[c] = acc[c] + weight[0] * O_PART[b, h, k, i, lane + c * 32]
             for c in T.unroll((D + 31) // 32):
                 if D % 32 == 0 or lane + c * 32 < D:
-                    O[b, h, i, lane + c * 32] = T.Cast(dt, T.Select(total[0] > T.float32(0), acc[c] / total[0],
-                                                                    T.float32(0)))
+                    O[b, h, i, lane + c * 32] = T.Cast(dt, T.Select(total[0] == T.float32(0), T.float32(0),
+                                                                    acc[c] / total[0]))
             if lane == 0:
-                LSE[b, h, i] = T.Select(total[0] > T.float32(0), top[0] + T.log(total[0]), NEG_INF)
+                LSE[b, h, i] = T.Select(total[0] == T.float32(0), NEG_INF, top[0] + T.log(total[0]))
 
     return combine.with_attr("global_symbol", "decode_combine")

@@ -14,7 +14,7 @@ K/V tiles of BN rows go through a ring of 2 or 3 shared-memory buffers filled by
 domain; P is reused as the A fragment of the PV product straight from registers. Tiles that
 a flex block mask calls empty are skipped (their K/V still stream through the ring).
 
-Knobs (`DEFAULTS`, tuned values in tuning_logs/cuda/knobs.json):
+Knobs (`DEFAULTS`, tuned values in tuning_logs/cuda/ (tvmflash.tuning)):
     block_m        query rows per CTA (16 per warp)
     block_n        key rows per K/V tile
     q_in_registers keep Q's mma fragments in registers for the whole CTA (large head dims

@@ -12,7 +12,7 @@ threads) owns 64 query rows. Q and two K and two V tiles sit in shared memory in
     O += P V        wgmma m64n{D}k16, P from registers, V from shared memory (MN-major)
 wgmma is asynchronous: the softmax of tile j + 1 runs while the tensor cores do P_j V_j.
 
-Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/knobs.json):
+Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/ (tvmflash.tuning)):
     forward_wgmma     1: this kernel where `supports` says so; 0: the mma.sync kernel
     wgmma_block_n     key rows per K/V tile (a multiple of 16)
     wgmma_warpgroups  warpgroups per CTA (block_m = 64 * warpgroups)

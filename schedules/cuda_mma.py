@@ -242,11 +242,11 @@ def store_output(O, LSE, o, m, l, n_mt, nd, b, h, q_row0, seqlen_q, lane):
                 for dd in T.unroll(nd):
                     for e in T.unroll(2):
                         O[b, h, row, dd * 8 + lane % 4 * 2 + e] = T.Cast(O.dtype, T.Select(
-                            l[mt * 2 + hh] > T.float32(0), o[(mt * nd + dd) * 4 + hh * 2 + e] / l[mt * 2 + hh],
-                            T.float32(0)))
+                            l[mt * 2 + hh] == T.float32(0), T.float32(0),
+                            o[(mt * nd + dd) * 4 + hh * 2 + e] / l[mt * 2 + hh]))
                 if lane % 4 == 0:
-                    LSE[b, h, row] = T.Select(l[mt * 2 + hh] > T.float32(0),
-                                              m[mt * 2 + hh] * T.float32(LN2) + T.log(l[mt * 2 + hh]), NEG_INF)
+                    LSE[b, h, row] = T.Select(l[mt * 2 + hh] == T.float32(0), NEG_INF,
+                                              m[mt * 2 + hh] * T.float32(LN2) + T.log(l[mt * 2 + hh]))
 
 
 @T.inline

@@ -257,3 +257,44 @@ def test_torch_compile_fullgraph():
     ref = torch.nn.functional.scaled_dot_product_attention(qr * 2, k, v, is_causal=True).relu()
     ref.backward(dout)
     assert (out - ref).abs().max() < 1e-5 and (q.grad - qr.grad).abs().max() < 1e-5
+
+
+NONFINITE_CASES = {  # (tensor, index (b, l, h, d) in flash-attn's layout, value)
+    "nan in a query": ("q", (0, 3, 0, 5), float("nan")), "nan in a key": ("k", (0, 4, 1, 2), float("nan")),
+    "nan in a value": ("v", (0, 4, 1, 2), float("nan")), "inf in a value": ("v", (1, 4, 0, 7), float("inf")),
+    "inf in a query": ("q", (0, 3, 0, 5), float("inf")), "-inf in a key": ("k", (0, 2, 0, 5), float("-inf")),
+}
+
+
+def check_nonfinite_inputs(device, dtype, case, causal):
+    """NaN / Inf in q, k or v reach exactly the outputs they reach in float64 math (every score
+    a query attends to; masked keys do not count) and exactly the dq rows of autograd's, and
+    the finite values stay right. dK / dV are non-finite wherever autograd's are (never a hidden
+    NaN), and more widely where a query row's lse is not finite (its probabilities are
+    recomputed from the lse: all NaN, where autograd keeps the zeros of its other keys)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 9, 2, 16, generator=g) for _ in range(3))
+    name, index, value = NONFINITE_CASES[case]
+    dict(q=q, k=k, v=v)[name][index] = value
+    q, k, v = (x.to(device, dtype).requires_grad_() for x in (q, k, v))
+    out = tvmflash.flash_attn_func(q, k, v, causal=causal)
+    out.backward(torch.ones_like(out))
+    leaves = [x.detach().double().cpu().transpose(1, 2).requires_grad_() for x in (q, k, v)]
+    ref, _ = attention(*leaves, causal="bottom_right" if causal else "none")
+    ref.backward(torch.ones_like(ref))
+    for what, ours, theirs in [("out", out, ref), *zip(("dq", "dk", "dv"), (x.grad for x in (q, k, v)),
+                                                        (x.grad for x in leaves))]:
+        ours, theirs = ours.detach().double().cpu(), theirs.transpose(1, 2)
+        if what in ("out", "dq"):
+            assert torch.equal(ours.isnan(), theirs.isnan()) and torch.equal(ours.isinf(), theirs.isinf()), what
+        assert ours.isfinite()[~theirs.isfinite()].sum() == 0, f"{what}: finite where autograd's is not"
+        fin = theirs.isfinite() & ours.isfinite()
+        tol = (1e-4 if dtype == torch.float32 else 5e-2) * (1 + theirs[fin].abs().max().item() if fin.any() else 1)
+        assert not fin.any() or (ours[fin] - theirs[fin]).abs().max() < tol, what
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", NONFINITE_CASES)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_nonfinite_inputs_propagate_like_float64_math(dtype, case, causal):
+    check_nonfinite_inputs("cpu", DTYPES[dtype], case, causal)

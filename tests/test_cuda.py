@@ -586,3 +586,13 @@ def test_cuda_runs_exported_modules_with_the_runtime_only(tmp_path):
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
     assert not list((tmp_path / "empty").glob("*.so"))
+
+
+@needs_gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", ["nan in a query", "nan in a key", "nan in a value", "inf in a value",
+                                  "inf in a query", "-inf in a key"])
+def test_cuda_nonfinite_inputs_propagate_like_float64_math(case, causal):
+    from test_attention import check_nonfinite_inputs
+
+    check_nonfinite_inputs("cuda", torch.bfloat16, case, causal)

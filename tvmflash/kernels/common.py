@@ -94,13 +94,16 @@ def bind_once(value, body, dtype: str = F32, name: str = "bound"):
 def fast_exp(x):
     """exp(x) for x <= 0 from a degree-6 polynomial and an exponent-bit shift, so loops
     vectorise (LLVM scalarises `exp` into libm calls). x <= -88 (masked scores are -inf)
-    gives exactly 0.0: the exponent field becomes 0. Max relative error ~2e-7. The polynomial
-    refers to x some twenty times (see `long_scores`)."""
+    gives exactly 0.0: the exponent field becomes 0. NaN stays NaN (the clamps are selects
+    that keep it), so a NaN or infinite input reaches the output as in torch's math path.
+    Max relative error ~2e-7. The polynomial refers to x some twenty times (see
+    `long_scores`)."""
     return bind_once(x, _fast_exp_of, name="exp_arg")
 
 
 def _fast_exp_of(x):
-    x = tirx.max(tirx.min(x, tirx.const(88.0, F32)), tirx.const(-88.0, F32))
+    low, high = tirx.const(-88.0, F32), tirx.const(88.0, F32)
+    x = tirx.Select(x > high, high, tirx.Select(x < low, low, x))
     n = tirx.floor(x * tirx.const(LOG2E, F32) + tirx.const(0.5, F32))
     r = x - n * tirx.const(LN2_HI, F32) - n * tirx.const(LN2_LO, F32)
     p = tirx.const(1.0 / 720, F32)

@@ -207,11 +207,11 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 8, block_k: int 
                                     acc[r, d] = acc[r, d] + s[j] * T.Cast(F32, key(V, cache, where, vb, vhk, k0, j, d))
                 for r in T.serial(RB):
                     if row(r) < G * LQ:
-                        LSE[vb, head(r), vs, qi(r)] = T.Select(st[r, 1] > T.float32(0),
-                                                               st[r, 0] + T.log(st[r, 1]), NEG_INF)
+                        LSE[vb, head(r), vs, qi(r)] = T.Select(st[r, 1] == T.float32(0), NEG_INF,
+                                                               st[r, 0] + T.log(st[r, 1]))
                         for d in T.vectorized(D):
-                            O[vb, head(r), vs, qi(r), d] = T.Select(st[r, 1] > T.float32(0), acc[r, d] / st[r, 1],
-                                                                    T.float32(0))
+                            O[vb, head(r), vs, qi(r), d] = T.Select(st[r, 1] == T.float32(0), T.float32(0),
+                                                                    acc[r, d] / st[r, 1])
 
     return fwd.with_attr("global_symbol", "forward_split")
 
@@ -264,10 +264,10 @@ def forward_combine_kernel(spec: AttentionSpec) -> tirx.PrimFunc:
                             l[0] = T.float32(0)
                         l[0] = l[0] + fast_exp(LSE_PART[vb, vh, vs, vi] - m[0])
                 with T.sblock("combine_lse"):
-                    LSE[vb, vh, vi] = T.Select(l[0] > T.float32(0), m[0] + T.log(l[0]), NEG_INF)
+                    LSE[vb, vh, vi] = T.Select(l[0] == T.float32(0), NEG_INF, m[0] + T.log(l[0]))
                 for d in T.serial(D):
                     with T.sblock("combine_out"):
                         vd = T.axis.remap("S", [d])
-                        O[vb, vh, vi, vd] = T.Cast(dt, T.Select(l[0] > T.float32(0), acc[vd] / l[0], T.float32(0)))
+                        O[vb, vh, vi, vd] = T.Cast(dt, T.Select(l[0] == T.float32(0), T.float32(0), acc[vd] / l[0]))
 
     return combine.with_attr("global_symbol", "forward_combine")

@@ -165,12 +165,12 @@ def forward_kernel(spec: AttentionSpec, block_q: int = 64, block_k: int = 64) ->
                     with T.sblock("store_lse"):
                         vi = T.axis.remap("S", [i])
                         T.where(q0 + i < LQ)
-                        LSE[vb, vh, q0 + vi] = T.Select(l[vi] > T.float32(0), m[vi] + T.log(l[vi]), NEG_INF)
+                        LSE[vb, vh, q0 + vi] = T.Select(l[vi] == T.float32(0), NEG_INF, m[vi] + T.log(l[vi]))
                 for i, d in T.grid(BQ, D):
                     with T.sblock("store_o"):
                         vi, vd = T.axis.remap("SS", [i, d])
                         T.where(q0 + i < LQ)
                         O[vb, vh, q0 + vi, vd] = T.Cast(
-                            dt, T.Select(l[vi] > T.float32(0), acc[vi, vd] / l[vi], T.float32(0)))
+                            dt, T.Select(l[vi] == T.float32(0), T.float32(0), acc[vi, vd] / l[vi]))
 
     return fwd.with_attr("global_symbol", "forward")
