@@ -176,6 +176,28 @@ def test_tune_builds_here_and_times_where_the_runtime_is(tmp_path, logs, monkeyp
     assert timed["measured"] == 2 and timed["built"] == 0 and timed["not_built"] == 1
 
 
+def test_a_candidate_that_fails_to_build_is_recorded_as_failed(tmp_path, logs, monkeypatch):
+    from tvmflash import build
+    from tvmflash.tuning import Database
+
+    real = build.build_module
+
+    def flaky(spec, target, knobs=None, only=None):
+        if knobs.get("block_q") == 256:
+            raise RuntimeError("does not compile")
+        return real(spec, target, knobs, only)
+
+    monkeypatch.setattr(build, "build_module", flaky)
+    spec = AttentionSpec("float32", 32)
+    (planned,) = tune.plan("host", [spec], ("forward",))
+    trials = next(n for n in range(1, len(planned) + 1) if planned[n - 1].knobs["block_q"] == 256) + 1
+    summary = tune.tune("host", [spec], ("forward",), trials=trials, work_dir=tmp_path, seqlens=(64,), merge=False)
+    failed = [r for r in Database(tmp_path).records if not r.valid]
+    bad = sum(c.knobs["block_q"] == 256 for c in planned[:trials])
+    assert summary["failed"] == len(failed) == bad and all(r.knobs["block_q"] == 256 for r in failed)
+    assert summary["measured"] == trials - bad > 0
+
+
 def test_tune_stops_at_the_time_budget(tmp_path, logs):
     summary = tune.tune("host", [AttentionSpec("float32", 32)], trials=4, time_budget=0, work_dir=tmp_path)
     assert summary["measured"] == 0 and summary["out_of_time"] == 8  # 4 forward + 4 backward

@@ -131,9 +131,14 @@ def grid(spec: AttentionSpec, phase: str, kind: str) -> list[dict]:
 
 
 def target_of(kind: str) -> dict:
-    from .build import AVX512_TARGET, cuda_target, host_target
+    """The target dict of `kind`: CUDA for this machine's GPU (else TVMFLASH_CUDA_ARCH / sm_90a)."""
+    from .build import AVX512_TARGET, cuda_target, cuda_target_for_device, host_target
 
-    return {"cuda": cuda_target, "avx512": lambda: AVX512_TARGET, "host": host_target}[kind]()
+    if kind == "cuda":
+        import torch
+
+        return cuda_target_for_device(0) if torch.cuda.is_available() else cuda_target()
+    return AVX512_TARGET if kind == "avx512" else host_target()
 
 
 def runs_here(kind: str) -> bool:
@@ -244,21 +249,22 @@ class WorkDir:
         return (c.spec.name, c.phase, _tag(c.knobs)) in self.measured
 
     def build(self, c: Candidate, target: dict, grid_values: dict) -> None:
-        """Compile `c` (its library unless a sibling built it) and index it."""
+        """Index `c` (its workload line and trace) and compile it (its library unless a sibling
+        built it); a compile error propagates, leaving the candidate indexed without a library."""
         from .build import build_module
 
-        lib = self.path / c.lib
-        if not lib.exists():
-            lib.parent.mkdir(parents=True, exist_ok=True)
-            build_knobs = {k: v for k, v in c.knobs.items() if k not in LAUNCH_KNOBS}
-            only = None if target["kind"] == "cuda" else CPU_PHASE_KERNELS[c.phase]
-            build_module(c.spec, target, build_knobs, only=only).export_library(str(lib))
         workload, trace = ms_lines(c, grid_values, target)
         self.index[c.key] = {"spec": c.spec.to_dict(), "phase": c.phase, "knobs": c.knobs, "lib": c.lib,
                              "target": target, "workload": workload, "trace": trace}
         tmp = self.path / "candidates.json.tmp"
         tmp.write_text(json.dumps(self.index, indent=1))
         tmp.replace(self.path / "candidates.json")
+        lib = self.path / c.lib
+        if not lib.exists():
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            build_knobs = {k: v for k, v in c.knobs.items() if k not in LAUNCH_KNOBS}
+            only = None if target["kind"] == "cuda" else CPU_PHASE_KERNELS[c.phase]
+            build_module(c.spec, target, build_knobs, only=only).export_library(str(lib))
 
     def record(self, c: Candidate, secs: float | None, elapsed_s: float) -> None:
         entry = self.index[c.key]
@@ -293,12 +299,11 @@ def tune(kind: str, specs: list, phases: tuple | None = None, trials: int = 16, 
          merge: bool = True, values: dict | None = None, progress=None) -> dict:
     """Search the knob grids of `specs` on target `kind` (see the module doc). At most `trials`
     new measurements per workload, none started after `time_budget` seconds; `values` are the
-    variants' values to time with (window, softcap). `progress(event,
-    **info)` is told of each step (the CLI draws a progress bar from it). Returns a summary."""
+    variants' values to time with (window, softcap). `progress(event, **info)` is told of each
+    step (the CLI draws a progress bar from it). Returns a summary."""
     from .build import has_compiler
 
     work = WorkDir(work_dir)
-    target = target_of(kind)
     can_build, can_time = has_compiler(), runs_here(kind) and not build_only
     todo = []
     for workload in plan(kind, specs, phases):
@@ -314,27 +319,28 @@ def tune(kind: str, specs: list, phases: tuple | None = None, trials: int = 16, 
             summary["out_of_time"] += 1
             notify("skip", candidate=c, reason="time budget")
             continue
-        if c.key not in work.index:
-            if not can_build:
-                summary["not_built"] += 1
-                notify("skip", candidate=c, reason="not built (no compiler here)")
-                continue
-            values = {}
-            for knobs in (w.knobs for w in workload):
-                for k, v in knobs.items():
-                    values.setdefault(k, set()).add(v)
-            work.build(c, target, values)
-            summary["built"] += 1
-        if not can_time:
-            notify("built", candidate=c)
-            continue
         try:
+            if c.key not in work.index or not (work.path / c.lib).exists():
+                if not can_build:
+                    summary["not_built"] += 1
+                    notify("skip", candidate=c, reason="not built (no compiler here)")
+                    continue
+                grid_values: dict = {}
+                for knobs in (w.knobs for w in workload):
+                    for k, v in knobs.items():
+                        grid_values.setdefault(k, set()).add(v)
+                work.build(c, target_of(kind), grid_values)
+                summary["built"] += 1
+            if not can_time:
+                notify("built", candidate=c)
+                continue
             secs = measure(c, work.index[c.key], work.path, seqlens, values)
-        except Exception as err:  # noqa: BLE001 - a candidate that fails is recorded as failed, the run goes on
-            secs = None
+        except Exception as err:  # noqa: BLE001 - a candidate that fails to build or run is recorded
+            secs = None  # as failed (MetaSchedule's 1e10 s), and the run goes on
             summary["failed"] += 1
             notify("failed", candidate=c, error=err)
-        work.record(c, secs, time.perf_counter() - start)
+        if c.key in work.index:
+            work.record(c, secs, time.perf_counter() - start)
         summary["measured"] += secs is not None
         notify("measured", candidate=c, secs=secs, best=work.db.best()[(c.spec.name, c.phase)])
     summary["best"] = {f"{s}/{p}": r for (s, p), r in work.db.best().items()}
