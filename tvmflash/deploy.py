@@ -92,7 +92,7 @@ def load_exported(directory) -> list[AttentionSpec]:
             raise ValueError(f"{lib}: built by TVM {m['tvm']}, this runtime is {runtime}")
         if not lib.exists() or _sha256(lib) != m["sha256"]:
             raise ValueError(f"{lib}: missing, or its sha256 does not match {path}")
-        spec = _spec(m["spec"])
+        spec = spec_from_dict(m["spec"])
         if spec.name != m["spec_name"]:
             raise ValueError(f"{path}: spec {m['spec_name']} does not describe itself ({spec.name})")
         found[_key(spec, m["target"])] = lib
@@ -101,7 +101,8 @@ def load_exported(directory) -> list[AttentionSpec]:
     return [key[0] for key in found]
 
 
-def _spec(fields: dict) -> AttentionSpec:
+def spec_from_dict(fields: dict) -> AttentionSpec:
+    """The spec of `AttentionSpec.to_dict()` read back from JSON (lists to tuples)."""
     return AttentionSpec(**{k: tuple(v) if k in ("variants", "flex") else v for k, v in fields.items()})
 
 

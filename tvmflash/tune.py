@@ -245,6 +245,19 @@ class WorkDir:
         lines = history.read_text().splitlines() if history.exists() else []
         self.elapsed_before = json.loads(lines[-1])["elapsed_s"] if lines else 0.0
 
+    def planned(self, specs: list, phases: tuple | None) -> list[list[Candidate]]:
+        """Per workload, its indexed candidates in build order: the plan where there is no
+        compiler (the grids' generators need it; what was not built cannot run anyway)."""
+        from .deploy import spec_from_dict
+
+        names = {s.name for s in specs}
+        out: dict = {}
+        for entry in self.index.values():
+            spec = spec_from_dict(entry["spec"])
+            if spec.name in names and (not phases or entry["phase"] in phases):
+                out.setdefault((spec.name, entry["phase"]), []).append(Candidate(spec, entry["phase"], entry["knobs"]))
+        return list(out.values())
+
     def is_measured(self, c: Candidate) -> bool:
         return (c.spec.name, c.phase, _tag(c.knobs)) in self.measured
 
@@ -306,7 +319,7 @@ def tune(kind: str, specs: list, phases: tuple | None = None, trials: int = 16, 
     work = WorkDir(work_dir)
     can_build, can_time = has_compiler(), runs_here(kind) and not build_only
     todo = []
-    for workload in plan(kind, specs, phases):
+    for workload in plan(kind, specs, phases) if can_build else work.planned(specs, phases):
         fresh = [c for c in workload if not work.is_measured(c)][:trials]
         todo += [(c, workload) for c in fresh]
     todo = _round_robin(todo)
