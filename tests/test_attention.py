@@ -266,14 +266,14 @@ NONFINITE_CASES = {  # (tensor, index (b, l, h, d) in flash-attn's layout, value
 }
 
 
-def check_nonfinite_inputs(device, dtype, case, causal):
+def check_nonfinite_inputs(device, dtype, case, causal, head_dim=16):
     """NaN / Inf in q, k or v reach exactly the outputs they reach in float64 math (every score
     a query attends to; masked keys do not count) and exactly the dq rows of autograd's, and
     the finite values stay right. dK / dV are non-finite wherever autograd's are (never a hidden
     NaN), and more widely where a query row's lse is not finite (its probabilities are
     recomputed from the lse: all NaN, where autograd keeps the zeros of its other keys)."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 9, 2, 16, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(2, 9, 2, head_dim, generator=g) for _ in range(3))
     name, index, value = NONFINITE_CASES[case]
     dict(q=q, k=k, v=v)[name][index] = value
     q, k, v = (x.to(device, dtype).requires_grad_() for x in (q, k, v))
