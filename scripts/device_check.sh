@@ -7,15 +7,27 @@
 #
 #   device run, carry [".tvmbundle/tvm-runtime.tar.xz", ".tvmbundle/prelude.sh", ".devcache", ".devsite"]:
 #   scripts/device_check.sh [pytest args...]
+#
+# Carry .devexport too (`tvmflash export --target cuda --spec bf16:d128:causal --out .devexport` here)
+# and the runtime-only test runs those exported modules; with TUNE_ARGS set (e.g. "--spec
+# bf16:d128:causal --work-dir .devtune", a work directory built here with --build-only and
+# carried), `tvmflash tune --target cuda $TUNE_ARGS --no-merge` times it and its database comes
+# back in $OUT (merge it here: the same tune command).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . .tvmbundle/prelude.sh
 export PYTHONPATH=$PWD/.devsite:$PYTHONPATH
 export TVMFLASH_CACHE_DIR=${TVMFLASH_CACHE_DIR:-$PWD/.devcache}
+[ -d .devexport ] && export TVMFLASH_TEST_EXPORTED=$PWD/.devexport
 out=${OUT:-benchmarks/results}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -m pytest tests/test_cuda.py -q -p no:cacheprovider --maxfail=10 --durations=5 "$@" 2>&1 | tail -40
 status=${PIPESTATUS[0]}
+if [ -n "${TUNE_ARGS:-}" ]; then
+  python -m tvmflash tune --target cuda $TUNE_ARGS --no-merge 2>&1 | tail -30
+  work=$(echo "$TUNE_ARGS" | sed -n 's/.*--work-dir \([^ ]*\).*/\1/p')
+  mkdir -p "$out/tune" && cp "$work"/database_*.json "$work"/history.jsonl "$out/tune/"
+fi
 [ "${BENCH:-all}" = none ] && exit $status
 python - "$out" "${BENCH:-all}" <<'PY'
 import sys

@@ -34,3 +34,13 @@ def test_build_fills_the_cache():
     result = CliRunner().invoke(app, ["build", "--target", "avx512", "--spec", "fp32:d16"])
     assert result.exit_code == 0, result.output
     assert build.library_path(AttentionSpec("float32", 16), build.AVX512_TARGET).exists()
+
+
+def test_build_a_model_preset():
+    from tvmflash import build
+    from tvmflash.presets import MODEL_PRESETS
+
+    result = CliRunner().invoke(app, ["build", "--target", "avx512", "--model-preset", "llama3-8b", "--dtype", "fp32"])
+    assert result.exit_code == 0, result.output
+    for spec in MODEL_PRESETS["llama3-8b"].specs("float32"):
+        assert build.library_path(spec, build.AVX512_TARGET).exists()
