@@ -105,11 +105,21 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         # the K/V tiles to visit: a block mask's listed ones (supports() requires tiles that
         # divide its blocks), else the ones the modifiers' ranges leave
         walk = T.meta_var(score.kv_walk(q0, T.min(q0 + BM, LQ), BN, TileAt(b, h, (BM, BN))))
+        # the tile count and a block mask's first full tile in registers, and each tile's first
+        # key (kv0, below): from a block mask's lists they are loads, which would otherwise sit
+        # in every tile's (or score's) path
+        walk_regs = T.alloc_local([2], "int64")
+        walk_regs[0] = walk.count
+        if walk.first_full is not None:
+            walk_regs[1] = walk.first_full
+        n = T.meta_var(walk_regs[0])
+        next_k0 = T.alloc_local([1], "int64")  # the first key of the tile being fetched
 
         @T.inline
-        def scores_to_p(k0):
+        def scores_to_p(k0, j):
             # online softmax of the finished S tile (masks and bounds only where needed)
-            if score.tile_unmasked(q0, T.min(q0 + BM, LQ), k0, k0 + BN, TileAt(b, h, (BM, BN))):
+            full = T.meta_var(None if walk.first_full is None else j >= walk_regs[1])
+            if score.tile_unmasked(q0, T.min(q0 + BM, LQ), k0, k0 + BN, TileAt(b, h, (BM, BN)), full):
                 softmax_tile(s, m, l, mx, alpha, 1, NS, score, scale, index, k0, lane, False)
             else:
                 softmax_tile(s, m, l, mx, alpha, 1, NS, score, scale, index, k0, lane, True)
@@ -140,21 +150,21 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             T.ptx.fence.proxy.async_.shared__cta()
             T.cuda.cta_sync()
             if j + 2 < n:
-                copy_rows_sw128(pool, K_OFF + j % 2 * BN * D, K, b, hk, walk.k0(j + 2), BN, LK, D, tid, NT)
+                next_k0[0] = walk.k0(j + 2)  # once, not per copied row (loads from a block mask's lists)
+                copy_rows_sw128(pool, K_OFF + j % 2 * BN * D, K, b, hk, next_k0[0], BN, LK, D, tid, NT)
             if j + 1 < n:
-                copy_rows_sw128(pool, V_OFF + (j + 1) % 2 * BN * D, V, b, hk, walk.k0(j + 1), BN, LK, D,
-                                tid, NT)
+                next_k0[0] = walk.k0(j + 1)
+                copy_rows_sw128(pool, V_OFF + (j + 1) % 2 * BN * D, V, b, hk, next_k0[0], BN, LK, D, tid, NT)
             T.ptx["cp.async.commit_group"]()
 
-        n = T.meta_var(walk.count)
-        # the tile's first key in a register: from a block mask's lists it is a load, which
-        # would otherwise sit in every score's index
         kv0 = T.alloc_local([1], "int64")
         copy_rows_sw128(pool, 0, Q, b, h, q0, BM, LQ, D, tid, NT)
-        copy_rows_sw128(pool, K_OFF, K, b, hk, walk.k0(0), BN, LK, D, tid, NT)
-        copy_rows_sw128(pool, V_OFF, V, b, hk, walk.k0(0), BN, LK, D, tid, NT)
+        next_k0[0] = walk.k0(0)
+        copy_rows_sw128(pool, K_OFF, K, b, hk, next_k0[0], BN, LK, D, tid, NT)
+        copy_rows_sw128(pool, V_OFF, V, b, hk, next_k0[0], BN, LK, D, tid, NT)
         if n > 1:
-            copy_rows_sw128(pool, K_OFF + BN * D, K, b, hk, walk.k0(1), BN, LK, D, tid, NT)
+            next_k0[0] = walk.k0(1)
+            copy_rows_sw128(pool, K_OFF + BN * D, K, b, hk, next_k0[0], BN, LK, D, tid, NT)
         T.ptx["cp.async.commit_group"]()
         encode_desc(desc_k, pool, 16, ATOM_BYTES)
         encode_desc(desc_v, pool, BN * 128, ATOM_BYTES)
@@ -171,7 +181,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             T.ptx.wgmma.wait_group.sync.aligned(0)
             fence_registers(s, NS * 4)
             kv0[0] = walk.k0(0)
-            scores_to_p(kv0[0])
+            scores_to_p(kv0[0], 0)
             to_a_fragments(s, p, NS * 4)
 
         # Iteration j: S_{j+1} = Q K_{j+1}^T and O += P_j V_j go to the tensor cores back to back;
@@ -186,7 +196,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             T.ptx.wgmma.wait_group.sync.aligned(1)
             fence_registers(s, NS * 4)
             kv0[0] = walk.k0(j + 1)
-            scores_to_p(kv0[0])
+            scores_to_p(kv0[0], j + 1)
             T.ptx.wgmma.wait_group.sync.aligned(0)
             fence_registers(o, ND * 4)
             to_a_fragments(s, p, NS * 4)

@@ -390,8 +390,9 @@ class _BoundScoreProgram(ScoreProgram):
     full_kv_indices: tirx.Buffer | None = None
 
     def kv_list(self, q_lo, at):
-        """(count, k0 of the j-th tile) walking only the kv tiles of the block lists (partial
-        ones, then full ones), for tiles of at.extent that divide the block size; None if not."""
+        """(count, k0 of the j-th tile, index of the first tile of a full block) walking only
+        the kv tiles of the block lists (partial ones, then full ones), for tiles of at.extent
+        that divide the block size; None if not."""
         if self.block_map is None or self.block[0] % at.extent[0] or self.block[1] % at.extent[1]:
             return None
         reps = self.block[1] // at.extent[1]  # kernel tiles per listed block
@@ -406,7 +407,7 @@ class _BoundScoreProgram(ScoreProgram):
                 n < n_partial, self.kv_indices[at.b, at.h, qb, tirx.min(n, last)],
                 self.full_kv_indices[at.b, at.h, qb, tirx.max(tirx.min(n - n_partial, last), tirx.const(0, "int64"))])
             return tirx.Cast("int64", listed) * self.block[1] + j % reps * at.extent[1]
-        return count, k0
+        return count, k0, n_partial * reps
 
     def tile_state(self, q_lo, kv_lo, at, shape):
         """OR / AND of the block map's entries over the blocks the tile can span (one when the
@@ -535,11 +536,14 @@ def unit_grad(mods) -> bool:
 @dataclass(frozen=True)
 class KVWalk:
     """A query tile's kv tiles: `count` of them, the j-th starting at key `k0(j)`; `live(j)`
-    is None or an expression false for a tile a block mask says to skip."""
+    is None or an expression false for a tile a block mask says to skip; `first_full`, when a
+    block mask's lists are walked, the index of the first tile of a full block (later tiles
+    need no mask_mod: `tile_unmasked(..., full=j >= first_full)`, with no tile-map load)."""
 
     count: tirx.PrimExpr
     k0: object
     live: object
+    first_full: tirx.PrimExpr | None = None
 
     def fetch(self, j):
         """Whether tile j exists and is not skipped (loads ahead of the compute)."""
@@ -621,10 +625,11 @@ class ScorePipeline:
         """Whether some modifier changes scores (not only masks them)."""
         return any(not m.is_mask for m in self.mods)
 
-    def tile_unmasked(self, q_lo, q_hi, kv_lo, kv_hi, at: TileAt | None = None):
+    def tile_unmasked(self, q_lo, q_hi, kv_lo, kv_hi, at: TileAt | None = None, full=None):
         """An expression true when no pair of the tile [q_lo, q_hi) x [kv_lo, kv_hi) is
         masked or out of bounds: such tiles may use `masked=False`. `at` lets masks known per
-        tile (block masks) answer."""
+        tile (block masks) answer; `full`, where the kernel knows it (KVWalk.first_full), is
+        whether the block mask says the tile is full."""
         conds = [q_hi <= self.shape.seqlen_q, kv_hi <= self.shape.seqlen_k]
         conds += [kv_lo >= 0] if self.keys_from_zero else []
         shape, bounds = self.shape, (q_lo, q_hi, kv_lo, kv_hi)
@@ -634,6 +639,8 @@ class ScorePipeline:
         for m in self.mods:
             if m.is_mask:
                 visible = m.tile_visible(*bounds, shape)
+                if visible is None and full is not None and getattr(m, "block_map", None) is not None:
+                    visible = full
                 state = m.tile_state(q_lo, kv_lo, at, self.shape) if visible is None and at is not None else None
                 if visible is None and state is None:
                     return tirx.const(False, "bool")
@@ -654,7 +661,8 @@ class ScorePipeline:
         for m in self.mods:
             listed = m.kv_list(q_lo, at) if hasattr(m, "kv_list") else None
             if listed is not None:
-                return KVWalk(*listed, live=lambda j: None)
+                count, k0, first_full = listed
+                return KVWalk(count, k0, live=lambda j: None, first_full=first_full)
         first, end = self.kv_blocks(q_lo, q_hi, block_k)
         return KVWalk(end - first, lambda j: (first + j) * block_k,
                       live=lambda j: self.tile_live(q_lo, (first + j) * block_k, at))
