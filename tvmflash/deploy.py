@@ -37,10 +37,10 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def export(specs: list, target: dict, out_dir: Path, progress=None) -> Path:
+def export(specs: list, target: dict, out_dir: Path) -> Path:
     """Build (or take from the cache) each spec's module for `target`, copy it to `out_dir`
-    and write the manifest (entries of earlier exports to `out_dir` are kept). `progress(spec,
-    seconds)` is called after each module. Returns the manifest's path."""
+    and write the manifest (entries of earlier exports to `out_dir` are kept). Returns the
+    manifest's path."""
     from .build import _tuning_kind, _tvm, build_cached, kernels_of, target_label
     from .tuning import tuned_knobs
 
@@ -52,7 +52,6 @@ def export(specs: list, target: dict, out_dir: Path, progress=None) -> Path:
     for spec in specs:
         if spec.flex:
             raise ValueError(f"{spec.name}: flex_attention specs are not exported (their programs are Python)")
-        start = time.perf_counter()
         lib = build_cached(spec, target)
         name = f"{spec.name}-{target_label(target)}.so"
         shutil.copyfile(lib, out_dir / name)
@@ -62,8 +61,6 @@ def export(specs: list, target: dict, out_dir: Path, progress=None) -> Path:
             "kernels": list(kernels_of(spec, target)), "tvm": _tvm().__version__,
             "tuning": knobs, "tuning_sha256": hashlib.sha256(json.dumps(knobs, sort_keys=True).encode()).hexdigest(),
             "sha256": _sha256(out_dir / name), "size": (out_dir / name).stat().st_size}
-        if progress:
-            progress(spec, time.perf_counter() - start)
     from . import __version__
 
     manifest = {"tvmflash": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
