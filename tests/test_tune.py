@@ -215,3 +215,16 @@ def test_tune_command_line(tmp_path, logs):
     assert "1 measured, 1 built" in result.output and "tuning_logs/host" in result.output
     result = CliRunner().invoke(app, ["tune", "--target", "host", "--model-preset", "nope"])
     assert result.exit_code != 0 and "llama3-8b" in result.output
+
+
+def test_tune_a_model_preset(tmp_path, logs):
+    """A preset's specs with its variants' values (Mistral's sliding window) through the CLI."""
+    from typer.testing import CliRunner
+
+    from tvmflash.cli import app
+
+    result = CliRunner().invoke(app, ["tune", "--target", "host", "--model-preset", "mistral-7b", "--dtype", "fp32",
+                                      "--phase", "forward", "--trials", "1", "--seqlen", "64", "--no-merge",
+                                      "--work-dir", str(tmp_path / "w")])
+    assert result.exit_code == 0, result.output
+    assert "1 measured" in result.output and "window" in result.output and not (logs / "host").exists()
