@@ -77,8 +77,13 @@ def bench(
     Console().print(f"results: {json_path}\nplot:    {png_path}")
 
 
-SPEC_HELP = "Spec (repeatable): dtype:dN[:causal][:softcap][:alibi][:window][:kvcache], e.g. bf16:d128:causal."
-PRESET_HELP = "The specs of a model (see `tvmflash info`)."
+# the options that choose specs and targets, shared by build, export and tune
+SpecOption = Annotated[Optional[list[str]], typer.Option(
+    help="Spec (repeatable): dtype:dN[:causal][:softcap][:alibi][:window][:kvcache], e.g. bf16:d128:causal.")]
+PresetOption = Annotated[Optional[str], typer.Option(help="The specs of a model (see `tvmflash info`).")]
+PresetDTypeOption = Annotated[DType, typer.Option(help="Data type of a preset's specs.")]
+ArchOption = Annotated[Optional[str], typer.Option(help="CUDA arch (default sm_90a).")]
+McpuOption = Annotated[Optional[str], typer.Option(help="LLVM CPU model of the host target (default: this CPU).")]
 
 
 def _select_specs(spec: Optional[list[str]], model_preset: Optional[str], dtype: DType) -> tuple[list, dict]:
@@ -143,11 +148,11 @@ def _build_specs(console, specs: list, target: dict, out: Optional[Path]) -> Non
 @app.command()
 def build(
     target: Annotated[Target, typer.Option(help="Target to build for.")],
-    spec: Annotated[Optional[list[str]], typer.Option(help=SPEC_HELP)] = None,
-    model_preset: Annotated[Optional[str], typer.Option(help=PRESET_HELP)] = None,
-    dtype: Annotated[DType, typer.Option(help="Data type of a preset's specs.")] = DType.bf16,
-    arch: Annotated[Optional[str], typer.Option(help="CUDA arch (default sm_90a).")] = None,
-    mcpu: Annotated[Optional[str], typer.Option(help="LLVM CPU model of the host target (default: this CPU).")] = None,
+    spec: SpecOption = None,
+    model_preset: PresetOption = None,
+    dtype: PresetDTypeOption = DType.bf16,
+    arch: ArchOption = None,
+    mcpu: McpuOption = None,
 ) -> None:
     """Compile modules into the cache ($TVMFLASH_CACHE_DIR), so first calls do not wait."""
     from rich.console import Console
@@ -160,11 +165,11 @@ def build(
 def export(
     target: Annotated[Target, typer.Option(help="Target to build for.")],
     out: Annotated[Path, typer.Option(help="Directory for the libraries and manifest.json.")],
-    spec: Annotated[Optional[list[str]], typer.Option(help=SPEC_HELP)] = None,
-    model_preset: Annotated[Optional[str], typer.Option(help=PRESET_HELP)] = None,
-    dtype: Annotated[DType, typer.Option(help="Data type of a preset's specs.")] = DType.bf16,
-    arch: Annotated[Optional[str], typer.Option(help="CUDA arch (default sm_90a).")] = None,
-    mcpu: Annotated[Optional[str], typer.Option(help="LLVM CPU model of the host target (default: this CPU).")] = None,
+    spec: SpecOption = None,
+    model_preset: PresetOption = None,
+    dtype: PresetDTypeOption = DType.bf16,
+    arch: ArchOption = None,
+    mcpu: McpuOption = None,
 ) -> None:
     """Build modules and export them with a manifest, for tvmflash.load_exported (runtime-only
     deployments: TVM_USE_RUNTIME_LIB=1, no compiler)."""
@@ -177,9 +182,9 @@ def export(
 @app.command()
 def tune(
     target: Annotated[Target, typer.Option(help="Target whose schedule knobs to tune.")],
-    spec: Annotated[Optional[list[str]], typer.Option(help=SPEC_HELP)] = None,
-    model_preset: Annotated[Optional[str], typer.Option(help=PRESET_HELP)] = None,
-    dtype: Annotated[DType, typer.Option(help="Data type of a preset's specs.")] = DType.bf16,
+    spec: SpecOption = None,
+    model_preset: PresetOption = None,
+    dtype: PresetDTypeOption = DType.bf16,
     phase: Annotated[Optional[list[str]], typer.Option(help="forward, backward, decode (default: all of a spec's).")] = None,
     trials: Annotated[int, typer.Option(help="New measurements per workload (spec, phase) at most.")] = 16,
     time_budget: Annotated[Optional[float], typer.Option(help="Seconds; no candidate starts after it.")] = None,
