@@ -318,16 +318,21 @@ def tune(kind: str, specs: list, phases: tuple | None = None, trials: int = 16, 
 
     work = WorkDir(work_dir)
     can_build, can_time = has_compiler(), runs_here(kind) and not build_only
-    todo = []
+    queues = []  # per workload: its unmeasured candidates with the workload's grid values (for traces)
     for workload in plan(kind, specs, phases) if can_build else work.planned(specs, phases):
-        fresh = [c for c in workload if not work.is_measured(c)][:trials]
-        todo += [(c, workload) for c in fresh]
-    todo = _round_robin(todo)
+        grid_values: dict = {}
+        for c in workload:
+            for k, v in c.knobs.items():
+                grid_values.setdefault(k, set()).add(v)
+        queues.append([(c, grid_values) for c in workload if not work.is_measured(c)][:trials])
+    # interleaved, so a time budget is spent on every workload
+    todo = [item for group in itertools.zip_longest(*queues) for item in group if item is not None]
+    target = target_of(kind) if can_build else None
     notify = progress or (lambda event, **info: None)
     notify("start", total=len(todo), can_build=can_build, can_time=can_time)
     summary = {"measured": 0, "built": 0, "not_built": 0, "failed": 0, "out_of_time": 0}
     start = time.perf_counter()
-    for c, workload in todo:
+    for c, grid_values in todo:
         if time_budget is not None and time.perf_counter() - start > time_budget:
             summary["out_of_time"] += 1
             notify("skip", candidate=c, reason="time budget")
@@ -338,11 +343,7 @@ def tune(kind: str, specs: list, phases: tuple | None = None, trials: int = 16, 
                     summary["not_built"] += 1
                     notify("skip", candidate=c, reason="not built (no compiler here)")
                     continue
-                grid_values: dict = {}
-                for knobs in (w.knobs for w in workload):
-                    for k, v in knobs.items():
-                        grid_values.setdefault(k, set()).add(v)
-                work.build(c, target_of(kind), grid_values)
+                work.build(c, target, grid_values)
                 summary["built"] += 1
             if not can_time:
                 notify("built", candidate=c)
@@ -360,19 +361,6 @@ def tune(kind: str, specs: list, phases: tuple | None = None, trials: int = 16, 
     summary["merged"] = work.db.merge_into(TUNING_LOGS_DIR / kind) if merge and work.db.records else []
     summary["elapsed_s"] = time.perf_counter() - start
     return summary
-
-
-def _round_robin(items: list) -> list:
-    """Interleave the workloads' candidates, so a time budget is spent on all of them."""
-    queues: dict = {}
-    for c, workload in items:
-        queues.setdefault(id(workload), []).append((c, workload))
-    out = []
-    while any(queues.values()):
-        for queue in queues.values():
-            if queue:
-                out.append(queue.pop(0))
-    return out
 
 
 def time_to_fraction(history: list[dict], fraction: float = 0.95) -> dict:
