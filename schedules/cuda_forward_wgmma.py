@@ -28,8 +28,8 @@ from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.kernels.score_mods import TileAt
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (batch_and_head, dropout_rows, load_row_values, query_rows, rescale_rows, row_values_size,
-                       softmax_tile, store_output, to_a_fragments)
+from .cuda_mma import (QueryTiles, batch_and_head, dropout_rows, load_row_values, locate_tile, query_rows, rescale_rows,
+                       row_values_size, softmax_tile, store_output, to_a_fragments)
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
                          gemm_ss_kmajor, wgmma_op)
 
@@ -77,15 +77,23 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         T.func_attr({"tirx.noalias": True})
         Q, K, V, O, LSE, scale, score = T.meta_var(declare_forward_args(spec, shape))
         T.device_entry()
-        bx, bh = T.cta_id([T.Cast("int32", (LQ + BM - 1) // BM), T.Cast("int32", B * H)])
+        # packed sequences without dropout get their own query tiles (dropout's random
+        # numbers come in groups aligned to the packed rows, so those keep the shared tiles)
+        tiles = T.meta_var(QueryTiles(score, LQ, LK, BM, score.seqs is not None and score.dropout is None))
+        bx, bh = T.cta_id([T.Cast("int32", tiles.count), T.Cast("int32", B * H)])
         tid = T.thread_id([NT])
         b, h = T.meta_var(batch_and_head(bh, H))
         hk = T.meta_var(h // (H // HK))
         lane = T.meta_var(tid % 32)
         wg = T.meta_var(tid // 128)
-        # q-blocks in reverse: under a causal mask the last ones have the most keys, and the
+        seq = T.alloc_local([tiles.registers()], "int64")
+        # tiles in reverse: under a causal mask the last ones have the most keys, and the
         # longest CTAs should start first
-        q0 = T.meta_var((T.Cast("int64", (LQ + BM - 1) // BM) - 1 - bx) * BM)
+        tile = T.meta_var(T.Cast("int64", tiles.count) - 1 - bx)
+        locate_tile(tiles, seq, tile)
+        # where the tile lies: scores see (bs, the sequence's q0.., its lengths lq, lk, tscore);
+        # the tensors' rows start at q_start + q0 and k_start + key
+        bs, q_start, k_start, q0, lq, lk, tscore = T.meta_var(tiles.where(seq, tile, b))
         row0 = T.meta_var(tid // 32 * 16)   # this warp's first row in the tile
         pool = T.alloc_buffer((POOL,), dt, scope="shared.dyn", align=ATOM_BYTES)
         desc_k = T.alloc_local([1], "uint64")  # K-major layout (Q, K)
@@ -94,118 +102,119 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         p = T.alloc_local([NS * 4], dt)
         o = T.alloc_local([ND * 4], F32)
         m = T.alloc_local([2], F32)  # running max (log2 units) of rows g and g + 8
-        rowv = T.alloc_local([row_values_size(score, 1)], "int32")  # the rows' values (packed sequences)
+        rowv = T.alloc_local([row_values_size(tscore, 1)], "int32")  # the rows' values (packed sequences)
         l = T.alloc_local([2], F32)  # running partial sum of this lane's columns
         mx = T.alloc_local([1], F32)
         alpha = T.alloc_local([2], F32)
-        if score.row_values > 0:
-            load_row_values(rowv, score, 1, q0 + row0, lane)
-        index = T.meta_var(query_rows(score, b, h, q0 + row0, rowv, lane))
-        pw = p.view("uint32")
-        # the K/V tiles to visit: a block mask's listed ones (supports() requires tiles that
-        # divide its blocks), else the ones the modifiers' ranges leave
-        walk = T.meta_var(score.kv_walk(q0, T.min(q0 + BM, LQ), BN, TileAt(b, h, (BM, BN))))
-        # the tile count and a block mask's first full tile in registers, and each tile's first
-        # key (kv0, below): from a block mask's lists they are loads, which would otherwise sit
-        # in every tile's (or score's) path
-        walk_regs = T.alloc_local([2], "int64")
-        walk_regs[0] = walk.count
-        if walk.first_full is not None:
-            walk_regs[1] = walk.first_full
-        n = T.meta_var(walk_regs[0])
-        next_k0 = T.alloc_local([1], "int64")  # the first key of the tile being fetched
+        if q0 < lq:  # a packed tile between two sequences' tiles has no rows
+            if tscore.row_values > 0:
+                load_row_values(rowv, tscore, 1, q0 + row0, lane)
+            index = T.meta_var(query_rows(tscore, bs, h, q0 + row0, rowv, lane))
+            pw = p.view("uint32")
+            # the K/V tiles to visit: a block mask's listed ones (supports() requires tiles that
+            # divide its blocks), else the ones the modifiers' ranges leave
+            walk = T.meta_var(tscore.kv_walk(q0, T.min(q0 + BM, lq), BN, TileAt(bs, h, (BM, BN))))
+            # the tile count and a block mask's first full tile in registers, and each tile's first
+            # key (kv0, below): from a block mask's lists they are loads, which would otherwise sit
+            # in every tile's (or score's) path
+            walk_regs = T.alloc_local([1 if walk.first_full is None else 2], "int64")
+            walk_regs[0] = walk.count
+            if walk.first_full is not None:
+                walk_regs[1] = walk.first_full
+            n = T.meta_var(walk_regs[0])
+            next_k0 = T.alloc_local([1], "int64")  # the first key of the tile being fetched
 
-        @T.inline
-        def scores_to_p(k0, j):
-            # online softmax of the finished S tile (masks and bounds only where needed)
-            full = T.meta_var(None if walk.first_full is None else j >= walk_regs[1])
-            if score.tile_unmasked(q0, T.min(q0 + BM, LQ), k0, k0 + BN, TileAt(b, h, (BM, BN)), full):
-                softmax_tile(s, m, l, mx, alpha, 1, NS, score, scale, index, k0, lane, False)
-            else:
-                softmax_tile(s, m, l, mx, alpha, 1, NS, score, scale, index, k0, lane, True)
-            if score.dropout is not None:  # l has the undropped P; O takes P Z
-                dropout_rows(s, score.dropout, 1, NS, b, h, q0 + row0, k0, lane, False)
+            @T.inline
+            def scores_to_p(k0, j):
+                # online softmax of the finished S tile (masks and bounds only where needed)
+                full = T.meta_var(None if walk.first_full is None else j >= walk_regs[1])
+                if tscore.tile_unmasked(q0, T.min(q0 + BM, lq), k0, k0 + BN, TileAt(bs, h, (BM, BN)), full):
+                    softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, scale, index, k0, lane, False)
+                else:
+                    softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, scale, index, k0, lane, True)
+                if score.dropout is not None:  # l has the undropped P; O takes P Z
+                    dropout_rows(s, score.dropout, 1, NS, b, h, q0 + row0, k0, lane, False)
 
-        @T.inline
-        def issue_s(kv_block):
-            T.ptx.wgmma.fence.sync.aligned()
-            gemm_ss_kmajor(OP_S, s, NS * 4, desc_k, wg * 64 * 64, BM, K_OFF + kv_block % 2 * BN * D, BN, D)
-            T.ptx.wgmma.commit_group.sync.aligned()
+            @T.inline
+            def issue_s(kv_block):
+                T.ptx.wgmma.fence.sync.aligned()
+                gemm_ss_kmajor(OP_S, s, NS * 4, desc_k, wg * 64 * 64, BM, K_OFF + kv_block % 2 * BN * D, BN, D)
+                T.ptx.wgmma.commit_group.sync.aligned()
 
-        @T.inline
-        def prepare_pv():
-            rescale_rows(o, alpha, 1, ND)
-            fence_registers(pw, NS * 2)
+            @T.inline
+            def prepare_pv():
+                rescale_rows(o, alpha, 1, ND)
+                fence_registers(pw, NS * 2)
 
-        @T.inline
-        def issue_pv(j):
-            T.ptx.wgmma.fence.sync.aligned()
-            gemm_rs_mnmajor(OP_O, o, ND * 4, pw, 0, desc_v, V_OFF + j % 2 * BN * D, BN)
-            T.ptx.wgmma.commit_group.sync.aligned()
+            @T.inline
+            def issue_pv(j):
+                T.ptx.wgmma.fence.sync.aligned()
+                gemm_rs_mnmajor(OP_O, o, ND * 4, pw, 0, desc_v, V_OFF + j % 2 * BN * D, BN)
+                T.ptx.wgmma.commit_group.sync.aligned()
 
-        @T.inline
-        def sync_tiles(j):
-            T.ptx["cp.async.wait_group"](0)
-            # cp.async wrote through the generic proxy; wgmma reads through the async one
-            T.ptx.fence.proxy.async_.shared__cta()
-            T.cuda.cta_sync()
-            if j + 2 < n:
-                next_k0[0] = walk.k0(j + 2)  # once, not per copied row (loads from a block mask's lists)
-                copy_rows_sw128(pool, K_OFF + j % 2 * BN * D, K, b, hk, next_k0[0], BN, LK, D, tid, NT)
-            if j + 1 < n:
-                next_k0[0] = walk.k0(j + 1)
-                copy_rows_sw128(pool, V_OFF + (j + 1) % 2 * BN * D, V, b, hk, next_k0[0], BN, LK, D, tid, NT)
+            @T.inline
+            def sync_tiles(j):
+                T.ptx["cp.async.wait_group"](0)
+                # cp.async wrote through the generic proxy; wgmma reads through the async one
+                T.ptx.fence.proxy.async_.shared__cta()
+                T.cuda.cta_sync()
+                if j + 2 < n:
+                    next_k0[0] = walk.k0(j + 2)  # once, not per copied row (loads from a block mask's lists)
+                    copy_rows_sw128(pool, K_OFF + j % 2 * BN * D, K, b, hk, k_start + next_k0[0], BN, k_start + lk, D, tid, NT)
+                if j + 1 < n:
+                    next_k0[0] = walk.k0(j + 1)
+                    copy_rows_sw128(pool, V_OFF + (j + 1) % 2 * BN * D, V, b, hk, k_start + next_k0[0], BN, k_start + lk, D, tid, NT)
+                T.ptx["cp.async.commit_group"]()
+
+            kv0 = T.alloc_local([1], "int64")
+            copy_rows_sw128(pool, 0, Q, b, h, q_start + q0, BM, q_start + lq, D, tid, NT)
+            next_k0[0] = walk.k0(0)
+            copy_rows_sw128(pool, K_OFF, K, b, hk, k_start + next_k0[0], BN, k_start + lk, D, tid, NT)
+            copy_rows_sw128(pool, V_OFF, V, b, hk, k_start + next_k0[0], BN, k_start + lk, D, tid, NT)
+            if n > 1:
+                next_k0[0] = walk.k0(1)
+                copy_rows_sw128(pool, K_OFF + BN * D, K, b, hk, k_start + next_k0[0], BN, k_start + lk, D, tid, NT)
             T.ptx["cp.async.commit_group"]()
+            encode_desc(desc_k, pool, 16, ATOM_BYTES)
+            encode_desc(desc_v, pool, BN * 128, ATOM_BYTES)
+            for i in T.unroll(ND * 4):
+                o[i] = T.float32(0)
+            for i in T.unroll(2):
+                m[i] = T.min_value(F32)
+                l[i] = T.float32(0)
+            if n > 0:
+                T.ptx["cp.async.wait_group"](0)
+                T.ptx.fence.proxy.async_.shared__cta()
+                T.cuda.cta_sync()
+                issue_s(0)
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                fence_registers(s, NS * 4)
+                kv0[0] = walk.k0(0)
+                scores_to_p(kv0[0], 0)
+                to_a_fragments(s, p, NS * 4)
 
-        kv0 = T.alloc_local([1], "int64")
-        copy_rows_sw128(pool, 0, Q, b, h, q0, BM, LQ, D, tid, NT)
-        next_k0[0] = walk.k0(0)
-        copy_rows_sw128(pool, K_OFF, K, b, hk, next_k0[0], BN, LK, D, tid, NT)
-        copy_rows_sw128(pool, V_OFF, V, b, hk, next_k0[0], BN, LK, D, tid, NT)
-        if n > 1:
-            next_k0[0] = walk.k0(1)
-            copy_rows_sw128(pool, K_OFF + BN * D, K, b, hk, next_k0[0], BN, LK, D, tid, NT)
-        T.ptx["cp.async.commit_group"]()
-        encode_desc(desc_k, pool, 16, ATOM_BYTES)
-        encode_desc(desc_v, pool, BN * 128, ATOM_BYTES)
-        for i in T.unroll(ND * 4):
-            o[i] = T.float32(0)
-        for i in T.unroll(2):
-            m[i] = T.min_value(F32)
-            l[i] = T.float32(0)
-        if n > 0:
-            T.ptx["cp.async.wait_group"](0)
-            T.ptx.fence.proxy.async_.shared__cta()
-            T.cuda.cta_sync()
-            issue_s(0)
-            T.ptx.wgmma.wait_group.sync.aligned(0)
-            fence_registers(s, NS * 4)
-            kv0[0] = walk.k0(0)
-            scores_to_p(kv0[0], 0)
-            to_a_fragments(s, p, NS * 4)
-
-        # Iteration j: S_{j+1} = Q K_{j+1}^T and O += P_j V_j go to the tensor cores back to back;
-        # the softmax of S_{j+1} then runs while the PV product is still in flight. K and V
-        # rings of two: K_{j+2} and V_{j+1} are loaded into the slots of K_j and V_{j-1}, whose
-        # readers every warpgroup finished before the barrier.
-        for j in T.serial(n - 1):
-            sync_tiles(j)
-            prepare_pv()
-            issue_s(j + 1)
-            issue_pv(j)
-            T.ptx.wgmma.wait_group.sync.aligned(1)
-            fence_registers(s, NS * 4)
-            kv0[0] = walk.k0(j + 1)
-            scores_to_p(kv0[0], j + 1)
-            T.ptx.wgmma.wait_group.sync.aligned(0)
-            fence_registers(o, ND * 4)
-            to_a_fragments(s, p, NS * 4)
-        if n > 0:
-            sync_tiles(n - 1)
-            prepare_pv()
-            issue_pv(n - 1)
-            T.ptx.wgmma.wait_group.sync.aligned(0)
-            fence_registers(o, ND * 4)
-        store_output(O, LSE, o, m, l, 1, ND, b, h, q0 + row0, LQ, lane)
+            # Iteration j: S_{j+1} = Q K_{j+1}^T and O += P_j V_j go to the tensor cores back to back;
+            # the softmax of S_{j+1} then runs while the PV product is still in flight. K and V
+            # rings of two: K_{j+2} and V_{j+1} are loaded into the slots of K_j and V_{j-1}, whose
+            # readers every warpgroup finished before the barrier.
+            for j in T.serial(n - 1):
+                sync_tiles(j)
+                prepare_pv()
+                issue_s(j + 1)
+                issue_pv(j)
+                T.ptx.wgmma.wait_group.sync.aligned(1)
+                fence_registers(s, NS * 4)
+                kv0[0] = walk.k0(j + 1)
+                scores_to_p(kv0[0], j + 1)
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                fence_registers(o, ND * 4)
+                to_a_fragments(s, p, NS * 4)
+            if n > 0:
+                sync_tiles(n - 1)
+                prepare_pv()
+                issue_pv(n - 1)
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                fence_registers(o, ND * 4)
+            store_output(O, LSE, o, m, l, 1, ND, b, h, q_start + q0 + row0, q_start + lq, lane)
 
     return fwd.with_attr("global_symbol", "forward")

@@ -149,6 +149,25 @@ def test_varlen_equals_dense_for_equal_lengths():
     torch.testing.assert_close(packed.view(3, 64, 4, 32), dense, atol=FLOOR[torch.float32], rtol=0)
 
 
+def test_cu_seqlens_are_read_once_per_tensor_until_changed():
+    """A cu_seqlens pair's checked offsets and kernel tables are reused while the same tensors
+    come back unmodified (every layer passes them: no device sync per call); an in-place change
+    is read afresh, and a fresh tensor with other offsets is not mistaken for a cached one."""
+    from tvmflash import interface
+
+    q, k, v, _ = make_packed([5, 9, 2], [5, 9, 2], 2, 2, 32, torch.float32)
+    cu = offsets([5, 9, 2])
+    before = tvmflash.flash_attn_varlen_func(q, k, v, cu, cu, 9, 9, causal=True)
+    tables = interface._PACKED.get(cu, cu, cu.device)[-1]
+    assert interface._PACKED.get(cu, cu, cu.device)[-1] is tables
+    cu.copy_(offsets([9, 5, 2]))  # in place: torch's version counter moves
+    after = tvmflash.flash_attn_varlen_func(q, k, v, cu, cu, 9, 9, causal=True)
+    fresh = tvmflash.flash_attn_varlen_func(q, k, v, offsets([9, 5, 2]), offsets([9, 5, 2]), 9, 9, causal=True)
+    assert torch.equal(after, fresh) and not torch.equal(after, before)
+    with pytest.raises(ValueError, match=r"max_seqlen_q \(5\) is below"):  # checked on every call
+        tvmflash.flash_attn_varlen_func(q, k, v, cu, cu, 5, 9)
+
+
 def test_cu_seqlens_validation():
     q, k, v = torch.zeros(10, 2, 32), torch.zeros(12, 2, 32), torch.zeros(12, 2, 32)
     good_q, good_k = offsets([4, 6]), offsets([5, 7])

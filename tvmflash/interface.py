@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import weakref
 
 import torch
 
@@ -252,10 +253,9 @@ def _check_stacked(name: str, x, n: int) -> None:
         raise ValueError(f"{name} must stack {n} tensors in dimension {x.dim() - 3}, got shape {tuple(x.shape)}")
 
 
-def _check_cu_seqlens(name: str, cu, total, device, max_name: str, max_seqlen) -> list:
-    """cu_seqlens: int32 (batch + 1,) on the tensors' device, 0 first, non-decreasing, the
-    token count last (`total`; None: any); `max_seqlen` an int no smaller than the longest
-    sequence. Returns the offsets as a host list (one sync on CUDA)."""
+def _cu_offsets(name: str, cu, device) -> list:
+    """cu_seqlens' offsets as a host list (one sync on CUDA), checked: an int32 (batch + 1,)
+    tensor on the tensors' device, 0 first, non-decreasing."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -267,28 +267,74 @@ def _check_cu_seqlens(name: str, cu, total, device, max_name: str, max_seqlen) -
     offsets = cu.tolist()
     if offsets[0] != 0:
         raise ValueError(f"{name} must start at 0, got {offsets[0]}")
-    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
-    if any(n < 0 for n in lengths):
+    if any(b < a for a, b in zip(offsets, offsets[1:])):
         raise ValueError(f"{name} must be non-decreasing, got {offsets}")
+    return offsets
+
+
+def _check_fits(name: str, offsets: list, longest: int, total, max_name: str, max_seqlen) -> None:
+    """The offsets end at the token count `total` (None: any); `max_seqlen` is an int no
+    smaller than the longest sequence."""
     if total is not None and offsets[-1] != total:
         raise ValueError(f"{name} must end at the number of tokens ({total}), got {offsets[-1]}")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
         raise TypeError(f"{max_name} must be an int, got {type(max_seqlen).__name__}")
-    if max_seqlen < max(lengths, default=0):
-        raise ValueError(f"{max_name} ({max_seqlen}) is below the longest sequence of {name} ({max(lengths)})")
-    return offsets
+    if max_seqlen < longest:
+        raise ValueError(f"{max_name} ({max_seqlen}) is below the longest sequence of {name} ({longest})")
 
 
 def _packed_rows(offsets_q: list, offsets_k: list, device) -> list:
     """The kernels' packed-sequence arguments (kernels/score_mods.py's Varlen) from the host
     offsets: per query row [sequence, query start, query count, key start, key count], per key
-    row [sequence, key start, key count, query start, query count]."""
+    row [sequence, key start, key count, query start, query count], per sequence [query start,
+    query count, key start, key count]."""
     n = len(offsets_q) - 1
     seq = torch.tensor([[b, offsets_q[b], offsets_q[b + 1] - offsets_q[b], offsets_k[b], offsets_k[b + 1] - offsets_k[b]]
                         for b in range(n)], dtype=torch.int32).reshape(n, 5)
     rows_q = seq.repeat_interleave(seq[:, 2].long(), dim=0)
     rows_k = seq[:, [0, 3, 4, 1, 2]].repeat_interleave(seq[:, 4].long(), dim=0)
-    return [rows_q.to(device), rows_k.to(device)]
+    return [rows_q.to(device), rows_k.to(device), seq[:, 1:].contiguous().to(device)]
+
+
+class _PackedSequences:
+    """Checked offsets and kernel tables of recent cu_seqlens pairs. Every layer of a model
+    passes the same cu_seqlens tensors: while the same tensor objects come again unmodified
+    (torch's version counter), their offsets are not read back (a device sync) nor their
+    tables rebuilt and uploaded, which cost about as much as the attention of a short batch.
+    Entries hold weak references: a freed tensor never matches a new one at its address."""
+
+    SIZE = 8
+
+    def __init__(self):
+        self.entries = []  # (weakref q, weakref k, versions, value), most recent first
+
+    @staticmethod
+    def _versions(cu_q, cu_k):
+        try:
+            return cu_q._version, cu_k._version
+        except RuntimeError:  # inference-mode tensors have no version counter: not cached
+            return None
+
+    def get(self, cu_q, cu_k, device):
+        """(offsets_q, offsets_k, longest q, longest k, tables) of the pair."""
+        versions = self._versions(cu_q, cu_k) if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor) \
+            else None
+        for ref_q, ref_k, seen, value in self.entries:
+            if versions is not None and ref_q() is cu_q and ref_k() is cu_k and seen == versions \
+                    and cu_q.device == device:
+                return value
+        offsets_q, offsets_k = _cu_offsets("cu_seqlens_q", cu_q, device), _cu_offsets("cu_seqlens_k", cu_k, device)
+        if len(offsets_q) != len(offsets_k):
+            raise ValueError(f"cu_seqlens_q has {len(offsets_q)} entries but cu_seqlens_k has {len(offsets_k)}: "
+                             "both must be batch + 1 long")
+        longest = [max((b - a for a, b in zip(o, o[1:])), default=0) for o in (offsets_q, offsets_k)]
+        value = (offsets_q, offsets_k, *longest, _packed_rows(offsets_q, offsets_k, device))
+        if versions is not None and not torch.compiler.is_compiling():
+            self.entries = [(weakref.ref(cu_q), weakref.ref(cu_k), versions, value)] + self.entries[:self.SIZE - 1]
+        return value
+
+
+_PACKED = _PackedSequences()
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -313,16 +359,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _check_tensor(name, x, 3 if block_table is None else 4,
                       " (total_tokens, nheads, head_dim)" if block_table is None
                       else " (num_blocks, page_size, nheads_k, head_dim) with block_table")
-    offsets_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, "max_seqlen_q", max_seqlen_q)
-    offsets_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0] if block_table is None else None, q.device,
-                                  "max_seqlen_k", max_seqlen_k)
-    if len(offsets_q) != len(offsets_k):
-        raise ValueError(f"cu_seqlens_q has {len(offsets_q)} entries but cu_seqlens_k has {len(offsets_k)}: "
-                         "both must be batch + 1 long")
+    offsets_q, offsets_k, longest_q, longest_k, tables = _PACKED.get(cu_seqlens_q, cu_seqlens_k, q.device)
+    _check_fits("cu_seqlens_q", offsets_q, longest_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
+    _check_fits("cu_seqlens_k", offsets_k, longest_k, k.shape[0] if block_table is None else None, "max_seqlen_k",
+                max_seqlen_k)
     if block_table is not None:
         k, v = _gathered_pages(k, v, block_table, offsets_k)
-    out, lse, keep = _varlen_attention(q, k, v, offsets_q, offsets_k, dropout_p, softmax_scale, causal, window_size,
-                                       softcap, alibi_slopes, deterministic, return_attn_probs)
+    out, lse, keep = _varlen_attention(q, k, v, tables, len(offsets_q) - 1, dropout_p, softmax_scale, causal,
+                                       window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     return (out, lse, keep) if return_attn_probs else out
 
 
@@ -355,14 +399,14 @@ def _sequence_keys(cache, pages, start: int, end: int):
     return cache[pages[:-(-end // cache.shape[1])].long()].flatten(0, 1)[start:end]
 
 
-def _varlen_attention(q, k, v, offsets_q: list, offsets_k: list, dropout_p, softmax_scale, causal, window_size,
+def _varlen_attention(q, k, v, tables: list, num_seqs: int, dropout_p, softmax_scale, causal, window_size,
                       softcap, alibi_slopes, deterministic, return_attn_probs):
-    """Packed sequences given checked host offsets: (out (total_q, H, D), lse (H, total_q),
-    keep (H, total_q, total_k) or None)."""
+    """Packed sequences given the kernels' tables (`_packed_rows`): (out (total_q, H, D), lse
+    (H, total_q), keep (H, total_q, total_k) or None)."""
     as_batch = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731  (T, H, D) -> (1, H, T, D) view
     out, lse, keep = _flash_attention(as_batch(q), as_batch(k), as_batch(v), dropout_p, softmax_scale, causal,
                                       window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-                                      _packed_rows(offsets_q, offsets_k, q.device), len(offsets_q) - 1)
+                                      tables, num_seqs)
     return out[0].transpose(0, 1), lse[0], None if keep is None else keep[0]
 
 
@@ -618,7 +662,7 @@ def _gathered_kvcache(q, k_cache, v_cache, block_table, rows, seqlens, leftpad, 
         return cache[rows[b], starts[b]:ends[b]]
     keys, values = (torch.cat([used(c, b) for b in range(B)]) for c in (k_cache, v_cache))
     offsets_k = [0, *itertools.accumulate(e - p for e, p in zip(ends, starts))]
-    out, lse, _ = _varlen_attention(q.reshape(B * Lq, H, D), keys, values, [b * Lq for b in range(B + 1)],
-                                    offsets_k, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                    False, True)
+    tables = _packed_rows([b * Lq for b in range(B + 1)], offsets_k, q.device)
+    out, lse, _ = _varlen_attention(q.reshape(B * Lq, H, D), keys, values, tables, B, 0.0, softmax_scale, causal,
+                                    window_size, softcap, alibi_slopes, False, True)
     return out.view(B, Lq, H, D), lse.view(H, B, Lq).transpose(0, 1)

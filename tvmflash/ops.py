@@ -151,7 +151,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: O
                       scale: float, causal: str, deterministic: bool = False, window_left: int = -1,
                       window_right: int = -1, softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
                       dropout_p: float = 0.0, dropout_rng: Optional[torch.Tensor] = None,
-                      varlen_q_rows: Optional[torch.Tensor] = None, varlen_k_rows: Optional[torch.Tensor] = None
+                      varlen_q_rows: Optional[torch.Tensor] = None, varlen_k_rows: Optional[torch.Tensor] = None,
+                      varlen_seqs: Optional[torch.Tensor] = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output and lse. `deterministic` only concerns the backward on CUDA (where dQ
     is otherwise accumulated with atomics); the CPU backward is always deterministic. The
@@ -160,7 +161,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: O
     varlen_q_rows / varlen_k_rows pack sequences into the one batch of q/k/v (each row's
     sequence, kernels/score_mods.py's Varlen; interface.py builds them from checked offsets)."""
     return _forward(q, k, v, mask, scale, causal, (window_left, window_right), softcap, alibi_slopes, dropout_p,
-                    dropout_rng, _seqlens((varlen_q_rows, varlen_k_rows)))
+                    dropout_rng, _seqlens((varlen_q_rows, varlen_k_rows, varlen_seqs)))
 
 
 def _forward(q, k, v, mask, scale, causal, window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
@@ -354,13 +355,14 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        deterministic: bool = False, window_left: int = -1, window_right: int = -1,
                        softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
                        dropout_p: float = 0.0, dropout_rng: Optional[torch.Tensor] = None,
-                       varlen_q_rows: Optional[torch.Tensor] = None, varlen_k_rows: Optional[torch.Tensor] = None
+                       varlen_q_rows: Optional[torch.Tensor] = None, varlen_k_rows: Optional[torch.Tensor] = None,
+                       varlen_seqs: Optional[torch.Tensor] = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v. `dlse` (a gradient flowing into the returned lse) enters through
     dS = P * (dP - delta + dlse): it is folded into delta."""
     return _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic,
                      (window_left, window_right), softcap, alibi_slopes, dropout_p, dropout_rng,
-                     _seqlens((varlen_q_rows, varlen_k_rows)))
+                     _seqlens((varlen_q_rows, varlen_k_rows, varlen_seqs)))
 
 
 def _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic, window=(-1, -1), softcap=0.0,
@@ -447,7 +449,7 @@ def _(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic=False, w
 
 # window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_rng, seqlens, flex, flex_captures
 _NO_VARIANT = (-1, -1, 0.0, None, 0.0, None, None, "", None)
-_NO_SEQLENS = (None,) * 2  # varlen_q_rows, varlen_k_rows: the operators' arguments
+_NO_SEQLENS = (None,) * 3  # varlen_q_rows, varlen_k_rows, varlen_seqs: the operators' arguments
 _NO_GRADS = (None,) * (4 + len(_NO_VARIANT))  # mask, scale, causal, deterministic, variants
 
 
@@ -474,7 +476,7 @@ def _gradients(ctx, dout, dlse):
                                     ctx.deterministic, *ctx.window, ctx.softcap, alibi_slopes, ctx.dropout_p,
                                     dropout_rng, *(seqlens or _NO_SEQLENS))
     # the operator has no seqlens-list / flex / flex_captures arguments (the eager path's last
-    # three): its row tables come as the two _NO_SEQLENS tensors instead
+    # three): its tables come as the _NO_SEQLENS tensors instead
     return dq, dk, dv, *_NO_GRADS[:-3], *_NO_SEQLENS
 
 

@@ -19,7 +19,7 @@ MAX_HEAD_DIM = 256
 VARIANT_ARGS = {"softcap": ("softcap",), "alibi": ("alibi_slopes",), "window": ("window_left", "window_right"),
                 "dropout": ("dropout_p", "dropout_rng"),
                 # packed sequences (flash_attn_varlen_func): kernels/score_mods.py's Varlen
-                "varlen": ("varlen_q_rows", "varlen_k_rows")}
+                "varlen": ("varlen_q_rows", "varlen_k_rows", "varlen_seqs")}
 VALUE_VARIANTS = ("softcap", "alibi")
 # a flex block mask's kernel arguments (after its mask_mod's captures): the tile map, then the
 # partial and full kv-block counts and lists per query block (torch's BlockMask fields)

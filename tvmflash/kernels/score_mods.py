@@ -223,21 +223,29 @@ class Varlen(ScoreMod):
     start, query count]. So a tile finds its sequences with single loads (no search through
     the offsets, no chains of dependent loads in every range expression). A tile that spans
     several sequences visits the keys of all of them, masked; a tile inside one sequence gets
-    the other modifiers' ranges too (ScorePipeline keeps this modifier apart)."""
+    the other modifiers' ranges too (ScorePipeline keeps this modifier apart).
+
+    A third table has a row per sequence, [query start, query count, key start, key count]:
+    kernels that give each sequence its own query tiles (`ScorePipeline.in_packed_sequence`)
+    find their sequence there and need no per-row lookups."""
 
     is_mask = True
-    arg_names = ("varlen_q_rows", "varlen_k_rows")
-    ROW_VALUES = 5  # fields per table row
+    arg_names = ("varlen_q_rows", "varlen_k_rows", "varlen_seqs")
+    ROW_VALUES = 5  # fields per row of the row tables
+    SEQ_VALUES = 4  # fields per row of the sequence table
 
     def bind(self, args, shape):
         return _BoundVarlen(args.tensor("varlen_q_rows", (shape.seqlen_q, self.ROW_VALUES), "int32"),
-                            args.tensor("varlen_k_rows", (shape.seqlen_k, self.ROW_VALUES), "int32"), shape)
+                            args.tensor("varlen_k_rows", (shape.seqlen_k, self.ROW_VALUES), "int32"),
+                            args.tensor("varlen_seqs", (tirx.Var("num_seqs", "int64"), self.SEQ_VALUES), "int32"),
+                            shape)
 
 
 @dataclass(frozen=True)
 class _BoundVarlen(Varlen):
     q_rows: tirx.Buffer
     k_rows: tirx.Buffer
+    seqs: tirx.Buffer  # (sequences, SEQ_VALUES)
     shape: Shape  # the packed (kernel) shape
 
     @staticmethod
@@ -578,6 +586,16 @@ class ScorePipeline:
         seq.shape = replace(self.shape, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
         seq.keys_from_zero = True
         return seq
+
+    def in_packed_sequence(self, seqlen_q, seqlen_k) -> "ScorePipeline":
+        """This pipeline for a tile that lies inside one packed sequence of the given lengths
+        (kernels that give each sequence its own tiles): the kernel indexes scores from the
+        sequence's first query and key, with the sequence as their batch index; no per-row
+        lookups."""
+        inner = copy.copy(self)
+        inner.shape = replace(self.shape, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+        inner.seqs = None
+        return inner
 
     @property
     def row_values(self) -> int:
