@@ -34,7 +34,8 @@ from tvmflash.kernels.score_mods import unit_grad
 from tvmflash.spec import AttentionSpec
 
 from .cuda_backward import _check, _declare
-from .cuda_mma import QStepWalk, advance, batch_and_head, copy_row_stats, transposed_probabilities
+from .cuda_mma import (QStepWalk, SequenceTiles, advance, batch_and_head, copy_row_stats, locate_tile,
+                       transposed_probabilities)
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
                          gemm_ss_kmajor, gemm_ss_mnmajor, wgmma_op)
 
@@ -92,13 +93,19 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         T.func_attr({"tirx.noalias": True})
         Q, K, V, DO, LSE2, DELTA, DK, DV, DQ_ACC, scale, score = T.meta_var(declare())
         T.device_entry()
-        bx, bh = T.cta_id([T.Cast("int32", (LK + BN - 1) // BN), T.Cast("int32", B * HK)])
+        # packed sequences get their own key tiles (SequenceTiles; supports() excludes dropout)
+        tiles = T.meta_var(SequenceTiles(score, LQ, LK, BN, score.seqs is not None, keys=True))
+        bx, bh = T.cta_id([T.Cast("int32", tiles.count), T.Cast("int32", B * HK)])
         tid = T.thread_id([NT])
         b, hk = T.meta_var(batch_and_head(bh, HK))
         G = T.meta_var(H // HK)
         lane = T.meta_var(tid % 32)
         wg = T.meta_var(tid // 128)
-        k0 = T.meta_var(T.Cast("int64", bx) * BN)
+        seq = T.alloc_local([tiles.registers()], "int64")
+        locate_tile(tiles, seq, T.Cast("int64", bx))
+        # where the tile lies: scores see (bs, queries and keys from 0 (q0, k0), the sequence's
+        # lengths lq, lk, tscore); the tensors' rows start at q_start + q0 and k_start + k0
+        bs, q_start, k_start, k0, lq, lk, tscore = T.meta_var(tiles.where(seq, T.Cast("int64", bx), b))
         kr = T.meta_var(tid // 32 * 16)            # this warp's key rows in the tile
         pool = T.alloc_buffer((POOL,), dt, scope="shared.dyn", align=ATOM_BYTES)
         stats = T.alloc_buffer((2, 2, BM), F32, scope="shared", align=16)  # [slot][lse2|delta][q]
@@ -118,8 +125,8 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         pw = p.view("uint32")
         dsw = ds.view("uint32")
         pool_w = pool.view("uint32")
-        walk = T.meta_var(QStepWalk(score, k0, T.min(k0 + BN, LK), BM, hk, G))
-        NJ = T.meta_var(walk.count)
+        walk = T.meta_var(QStepWalk(tscore, k0, T.min(k0 + BN, lk), BM, hk, G))
+        NJ = T.meta_var(T.Select(k0 < lk, walk.count, T.int64(0)))  # a packed tile may have no rows
         cur = T.alloc_local([2], "int64")  # this step and the next one
         nxt = T.alloc_local([2], "int64")
 
@@ -127,9 +134,9 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         def load_step(st, slot):
             h = T.meta_var(walk.head(st))
             q0 = T.meta_var(walk.q0(st))
-            copy_rows_sw128(pool, Q_OFF + slot * BM * D, Q, b, h, q0, BM, LQ, D, tid, NT)
-            copy_rows_sw128(pool, DO_OFF + slot * BM * D, DO, b, h, q0, BM, LQ, D, tid, NT)
-            copy_row_stats(stats, slot, LSE2, DELTA, b, h, q0, BM, LQ, tid, NT)
+            copy_rows_sw128(pool, Q_OFF + slot * BM * D, Q, b, h, q_start + q0, BM, q_start + lq, D, tid, NT)
+            copy_rows_sw128(pool, DO_OFF + slot * BM * D, DO, b, h, q_start + q0, BM, q_start + lq, D, tid, NT)
+            copy_row_stats(stats, slot, LSE2, DELTA, b, h, q_start + q0, BM, q_start + lq, tid, NT)
 
         @T.inline
         def sync_loads():
@@ -141,8 +148,8 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         cur[0] = T.int64(0)
         cur[1] = T.int64(0)
         if NJ > 0:
-            copy_rows_sw128(pool, K_OFF, K, b, hk, k0, BN, LK, D, tid, NT)
-            copy_rows_sw128(pool, V_OFF, V, b, hk, k0, BN, LK, D, tid, NT)
+            copy_rows_sw128(pool, K_OFF, K, b, hk, k_start + k0, BN, k_start + lk, D, tid, NT)
+            copy_rows_sw128(pool, V_OFF, V, b, hk, k_start + k0, BN, k_start + lk, D, tid, NT)
             load_step(cur, 0)
         T.ptx["cp.async.commit_group"]()
         encode_desc(desc_kmaj, pool, 16, ATOM_BYTES)
@@ -172,10 +179,10 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
                 T.ptx.wgmma.commit_group.sync.aligned()
             T.ptx.wgmma.wait_group.sync.aligned(0 if LOW_REG else 1)
             fence_registers(s, NQ8 * 4)
-            if score.tile_unmasked(q0, q0 + BM, k0, k0 + BN):
-                transposed_probabilities(s, p, stats, slot, NQ8, score, scale, b, h, q0, k0 + kr, lane, False)
+            if tscore.tile_unmasked(q0, q0 + BM, k0, k0 + BN):
+                transposed_probabilities(s, p, stats, slot, NQ8, tscore, scale, bs, h, q0, k0 + kr, lane, False)
             else:
-                transposed_probabilities(s, p, stats, slot, NQ8, score, scale, b, h, q0, k0 + kr, lane, True)
+                transposed_probabilities(s, p, stats, slot, NQ8, tscore, scale, bs, h, q0, k0 + kr, lane, True)
             # dV += P^T dO
             fence_registers(pw, NQ8 * 2)
             T.ptx.wgmma.fence.sync.aligned()
@@ -229,9 +236,9 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
                 T.ptx.fence.proxy.async_.shared__cta()
                 T.ptx["bar.sync"](T.Cast("uint32", 1 + wg), T.uint32(128))
                 if tid % 128 < BM:
-                    if q0 + tid % 128 < LQ:
+                    if q0 + tid % 128 < lq:
                         T.ptx["cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"](
-                            DQ_ACC.ptr_to([b, h, q0 + tid % 128, wg * DQN]), stage.ptr_to([wg, tid % 128, 0]),
+                            DQ_ACC.ptr_to([b, h, q_start + q0 + tid % 128, wg * DQN]), stage.ptr_to([wg, tid % 128, 0]),
                             T.uint32(DQN * 4))
                     T.ptx["cp.async.bulk.commit_group"]()
             else:
@@ -246,9 +253,10 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         for dd in T.unroll(ND):
             for hh in T.unroll(2):
                 key = T.meta_var(k0 + kr + lane // 4 + hh * 8)
-                if key < LK:
+                if key < lk:
                     for e in T.unroll(2):
-                        DK[b, hk, key, dd * 8 + lane % 4 * 2 + e] = T.Cast(dt, dk[dd * 4 + hh * 2 + e] * scale)
-                        DV[b, hk, key, dd * 8 + lane % 4 * 2 + e] = T.Cast(dt, dv[dd * 4 + hh * 2 + e])
+                        DK[b, hk, k_start + key, dd * 8 + lane % 4 * 2 + e] = T.Cast(
+                            dt, dk[dd * 4 + hh * 2 + e] * scale)
+                        DV[b, hk, k_start + key, dd * 8 + lane % 4 * 2 + e] = T.Cast(dt, dv[dd * 4 + hh * 2 + e])
 
     return dkdv.with_attr("global_symbol", "backward_dkdv_dq" if with_dq else "backward_dkdv")

@@ -33,9 +33,9 @@ from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.kernels.score_mods import TileAt
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (PAD, batch_and_head, copy_rows, dropout_rows, load_a, load_b, load_b_trans, load_row_values,
-                       mma_16x16, mma_op, query_rows, rescale_rows, row_values_size, smem_scope, softmax_tile,
-                       store_output, to_a_fragments)
+from .cuda_mma import (PAD, SequenceTiles, batch_and_head, copy_rows, dropout_rows, load_a, load_b, load_b_trans,
+                       load_row_values, locate_tile, mma_16x16, mma_op, query_rows, rescale_rows, row_values_size,
+                       smem_scope, softmax_tile, store_output, to_a_fragments)
 
 DEFAULTS = {"block_m": 128, "block_n": 64, "q_in_registers": 1, "warp_m_tiles": 1, "stages": 2}
 
@@ -83,13 +83,19 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         T.func_attr({"tirx.noalias": True})
         Q, K, V, O, LSE, scale, score = T.meta_var(declare_forward_args(spec, shape))
         T.device_entry()
-        bx, bh = T.cta_id([T.Cast("int32", (LQ + BM - 1) // BM), T.Cast("int32", B * H)])
+        # packed sequences without dropout get their own query tiles (as in the wgmma forward)
+        tiles = T.meta_var(SequenceTiles(score, LQ, LK, BM, score.seqs is not None and score.dropout is None))
+        bx, bh = T.cta_id([T.Cast("int32", tiles.count), T.Cast("int32", B * H)])
         tid = T.thread_id([NT])
         b, h = T.meta_var(batch_and_head(bh, H))
         hk = T.meta_var(h // (H // HK))
         warp = T.meta_var(tid // 32)
         lane = T.meta_var(tid % 32)
-        q0 = T.meta_var(T.Cast("int64", bx) * BM)
+        seq = T.alloc_local([tiles.registers()], "int64")
+        locate_tile(tiles, seq, T.Cast("int64", bx))
+        # scores see (bs, the sequence's q0.., its lengths lq, lk, tscore); the tensors' rows
+        # start at q_start + q0 and k_start + key
+        bs, q_start, k_start, q0, lq, lk, tscore = T.meta_var(tiles.where(seq, T.Cast("int64", bx), b))
         row0 = T.meta_var(warp * WM)   # this warp's first row in the tile
         pool = T.alloc_buffer((ROWS, D + PAD), dt, scope=SCOPE, align=128)
         qf = T.alloc_local([MT * (D // 16 if q_regs else 1) * 4], "uint32")
@@ -99,26 +105,28 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         p = T.alloc_local([MT * NS * 4], dt)
         o = T.alloc_local([MT * ND * 4], F32)
         m = T.alloc_local([MT * 2], F32)  # running max (log2 units) of rows g and g + 8 per m-tile
-        rowv = T.alloc_local([row_values_size(score, MT)], "int32")  # the rows' values (packed sequences)
+        rowv = T.alloc_local([row_values_size(tscore, MT)], "int32")  # the rows' values (packed sequences)
         l = T.alloc_local([MT * 2], F32)  # running partial sum of this lane's columns
         mx = T.alloc_local([1], F32)
         alpha = T.alloc_local([MT * 2], F32)
-        if score.row_values > 0:
-            load_row_values(rowv, score, MT, q0 + row0, lane)
-        index = T.meta_var(query_rows(score, b, h, q0 + row0, rowv, lane))
+        if tscore.row_values > 0:
+            load_row_values(rowv, tscore, MT, q0 + row0, lane)
+        index = T.meta_var(query_rows(tscore, bs, h, q0 + row0, rowv, lane))
         pw = p.view("uint32")
         q_frag = T.meta_var(lambda mt, kk: (mt * (D // 16) + kk) * 4 if q_regs else mt * 4)
 
-        copy_rows(pool, 0, Q, b, h, q0, BM, LQ, D, tid, NT)
-        at = T.meta_var(TileAt(b, h, (BM, BN)))
-        walk = T.meta_var(score.kv_walk(q0, T.min(q0 + BM, LQ), BN, at))  # the K/V tiles to visit
+        copy_rows(pool, 0, Q, b, h, q_start + q0, BM, q_start + lq, D, tid, NT)
+        at = T.meta_var(TileAt(bs, h, (BM, BN)))
+        # the K/V tiles to visit (none for a packed tile between two sequences' tiles)
+        walk = T.meta_var(tscore.kv_walk(q0, T.min(q0 + BM, lq), BN, at))
+        count = T.meta_var(walk.count if not tiles.packed else T.Select(q0 < lq, walk.count, T.int64(0)))
         # first keys of this and the next tile, in registers: with a block mask they come from
         # its lists, and a load per use would sit in every score's index
         kv0 = T.alloc_local([2], "int64")
         kv0[1] = walk.k0(0)
         if walk.fetch(0):  # tiles to be skipped are not fetched
-            copy_rows(pool, K_ROW, K, b, hk, kv0[1], BN, LK, D, tid, NT)
-            copy_rows(pool, V_ROW, V, b, hk, kv0[1], BN, LK, D, tid, NT)
+            copy_rows(pool, K_ROW, K, b, hk, k_start + kv0[1], BN, k_start + lk, D, tid, NT)
+            copy_rows(pool, V_ROW, V, b, hk, k_start + kv0[1], BN, k_start + lk, D, tid, NT)
         T.ptx["cp.async.commit_group"]()
         for i in T.unroll(MT * ND * 4):
             o[i] = T.float32(0)
@@ -143,10 +151,10 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                     for mt in T.unroll(MT):
                         mma_16x16(MMA, s, (mt * NS + nn * 2) * 4, qf, q_frag(mt, kk), kb, 0)
             # online softmax; masks and bounds only on tiles that need them
-            if score.tile_unmasked(q0, T.min(q0 + BM, LQ), k0, k0 + BN, at):
-                softmax_tile(s, m, l, mx, alpha, MT, NS, score, scale, index, k0, lane, False)
+            if tscore.tile_unmasked(q0, T.min(q0 + BM, lq), k0, k0 + BN, at):
+                softmax_tile(s, m, l, mx, alpha, MT, NS, tscore, scale, index, k0, lane, False)
             else:
-                softmax_tile(s, m, l, mx, alpha, MT, NS, score, scale, index, k0, lane, True)
+                softmax_tile(s, m, l, mx, alpha, MT, NS, tscore, scale, index, k0, lane, True)
             if score.dropout is not None:  # l has the undropped P; O takes P Z
                 dropout_rows(s, score.dropout, MT, NS, b, h, q0 + row0, k0, lane, False)
             to_a_fragments(s, p, MT * NS * 4)
@@ -159,12 +167,12 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                     for mt in T.unroll(MT):
                         mma_16x16(MMA, o, (mt * ND + dd * 2) * 4, pw, mt * NS * 2 + kk * 4, vb, 0)
 
-        for j in T.serial(walk.count):
+        for j in T.serial(count):
             kv0[0] = kv0[1]
             kv0[1] = walk.k0(j + 1)  # (clamped in bounds past the last tile)
             if walk.fetch(j + 1):  # prefetch the next K/V tile into the next buffer
-                copy_rows(pool, K_ROW + (j + 1) % ST * BN, K, b, hk, kv0[1], BN, LK, D, tid, NT)
-                copy_rows(pool, V_ROW + (j + 1) % ST * BN, V, b, hk, kv0[1], BN, LK, D, tid, NT)
+                copy_rows(pool, K_ROW + (j + 1) % ST * BN, K, b, hk, k_start + kv0[1], BN, k_start + lk, D, tid, NT)
+                copy_rows(pool, V_ROW + (j + 1) % ST * BN, V, b, hk, k_start + kv0[1], BN, k_start + lk, D, tid, NT)
             T.ptx["cp.async.commit_group"]()
             T.ptx["cp.async.wait_group"](1)
             T.cuda.cta_sync()
@@ -181,6 +189,6 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                     tile_step(j)
             if ST == 2:  # the next iteration refills this buffer (with 3, the one before)
                 T.cuda.cta_sync()
-        store_output(O, LSE, o, m, l, MT, ND, b, h, q0 + row0, LQ, lane)
+        store_output(O, LSE, o, m, l, MT, ND, b, h, q_start + q0 + row0, q_start + lq, lane)
 
     return fwd.with_attr("global_symbol", "forward")

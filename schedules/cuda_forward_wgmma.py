@@ -28,8 +28,8 @@ from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.kernels.score_mods import TileAt
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (QueryTiles, batch_and_head, dropout_rows, load_row_values, locate_tile, query_rows, rescale_rows,
-                       row_values_size, softmax_tile, store_output, to_a_fragments)
+from .cuda_mma import (SequenceTiles, batch_and_head, dropout_rows, load_row_values, locate_tile, query_rows,
+                       rescale_rows, row_values_size, softmax_tile, store_output, to_a_fragments)
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
                          gemm_ss_kmajor, wgmma_op)
 
@@ -79,7 +79,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         T.device_entry()
         # packed sequences without dropout get their own query tiles (dropout's random
         # numbers come in groups aligned to the packed rows, so those keep the shared tiles)
-        tiles = T.meta_var(QueryTiles(score, LQ, LK, BM, score.seqs is not None and score.dropout is None))
+        tiles = T.meta_var(SequenceTiles(score, LQ, LK, BM, score.seqs is not None and score.dropout is None))
         bx, bh = T.cta_id([T.Cast("int32", tiles.count), T.Cast("int32", B * H)])
         tid = T.thread_id([NT])
         b, h = T.meta_var(batch_and_head(bh, H))
@@ -160,10 +160,12 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                 T.cuda.cta_sync()
                 if j + 2 < n:
                     next_k0[0] = walk.k0(j + 2)  # once, not per copied row (loads from a block mask's lists)
-                    copy_rows_sw128(pool, K_OFF + j % 2 * BN * D, K, b, hk, k_start + next_k0[0], BN, k_start + lk, D, tid, NT)
+                    copy_rows_sw128(pool, K_OFF + j % 2 * BN * D, K, b, hk, k_start + next_k0[0], BN, k_start + lk, D,
+                                    tid, NT)
                 if j + 1 < n:
                     next_k0[0] = walk.k0(j + 1)
-                    copy_rows_sw128(pool, V_OFF + (j + 1) % 2 * BN * D, V, b, hk, k_start + next_k0[0], BN, k_start + lk, D, tid, NT)
+                    copy_rows_sw128(pool, V_OFF + (j + 1) % 2 * BN * D, V, b, hk, k_start + next_k0[0], BN,
+                                    k_start + lk, D, tid, NT)
                 T.ptx["cp.async.commit_group"]()
 
             kv0 = T.alloc_local([1], "int64")

@@ -155,49 +155,52 @@ def warp_gemm_rn(op, acc, a, bf, pool, b_row, b_col, n16, k16, lane):
         mma_16x16(op, acc, i % n16 * 8, a, i // n16 * 4, bf, i % 2 * 4)
 
 
-class QueryTiles:
-    """The query tiles of a forward kernel's grid (x dimension) and where each lies.
+class SequenceTiles:
+    """The tiles of a kernel's grid (x dimension) along queries or keys (`keys`), and where each
+    lies.
 
     Dense: tile t covers rows [t BM, t BM + BM) of batch entry b. Packed sequences (`packed`):
     each sequence gets its own tiles, as if called alone (flash-attn's varlen grid), so no
-    tile spans two sequences and key tiles start at the sequence's first key: the sequence
-    table's sequence s owns tiles [q_start // BM + s, + ceil(q_count / BM)), which are disjoint
-    and in order, all below LQ // BM + sequences + 1; a tile between two ranges has no rows.
-    `locate` finds a tile's sequence with a binary search over that table (once per CTA)."""
+    tile spans two sequences and the other axis's tiles start at the sequence's first row: in
+    the sequence table, sequence s owns tiles [start[s] // BM + s, + ceil(count[s] / BM)), which
+    are disjoint and in order, all below rows // BM + sequences + 1; a tile between two ranges
+    has no rows. `locate_tile` finds a tile's sequence with a binary search over the table
+    (once per CTA)."""
 
-    def __init__(self, score, seqlen_q, seqlen_k, block_m: int, packed: bool):
-        self.score, self.block_m, self.packed = score, block_m, packed
+    def __init__(self, score, seqlen_q, seqlen_k, block: int, packed: bool, keys: bool = False):
+        self.score, self.block, self.packed = score, block, packed
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
+        self.column = 2 if keys else 0  # the tiled axis's start in the table's rows
         self.table = score.seqs.seqs if packed else None
-        self.count = (seqlen_q // block_m + self.table.shape[0] + 1 if packed
-                      else (seqlen_q + block_m - 1) // block_m)
+        rows = seqlen_k if keys else seqlen_q
+        self.count = rows // block + self.table.shape[0] + 1 if packed else (rows + block - 1) // block
 
     def registers(self) -> int:
-        """int64 registers `locate` fills: sequence, q start, q count, k start, k count."""
+        """int64 registers `locate_tile` fills: sequence, q start, q count, k start, k count."""
         return 5 if self.packed else 1
 
     def where(self, info, tile, b):
-        """(batch index of the scores, first query row and first key row in the tensors,
-        q0 = the tile's first query in its sequence, the sequence's lengths Lq and Lk, the
+        """(batch index of the scores, the sequence's first query row and first key row in the
+        tensors, the tile's first row in its sequence, the sequence's lengths Lq and Lk, the
         score pipeline in its coordinates) of grid tile `tile` of batch entry b, after
         `locate_tile`."""
         if not self.packed:
-            return b, 0, 0, tile * self.block_m, self.seqlen_q, self.seqlen_k, self.score
-        q0 = (tile - info[1] // self.block_m - info[0]) * self.block_m
-        return info[0], info[1], info[3], q0, info[2], info[4], self.score.in_packed_sequence(info[2], info[4])
+            return b, 0, 0, tile * self.block, self.seqlen_q, self.seqlen_k, self.score
+        first = (tile - info[1 + self.column] // self.block - info[0]) * self.block
+        return info[0], info[1], info[3], first, info[2], info[4], self.score.in_packed_sequence(info[2], info[4])
 
 
 @T.inline
 def locate_tile(tiles, info, tile):
     """info = [sequence, q start, q count, k start, k count] of the packed sequence owning
-    grid tile `tile` (QueryTiles): the last s whose first tile, q_start[s] // BM + s, is at or
+    grid tile `tile` (SequenceTiles): the last s whose first tile, start[s] // BM + s, is at or
     before it."""
     if tiles.packed:
         info[0] = T.int64(0)  # the answer lies in [info[0], info[1])
         info[1] = tiles.table.shape[0]
         for _ in T.serial(32):
             if info[1] - info[0] > 1:
-                if T.Cast("int64", tiles.table[(info[0] + info[1]) // 2, 0]) // tiles.block_m \
+                if T.Cast("int64", tiles.table[(info[0] + info[1]) // 2, tiles.column]) // tiles.block \
                         + (info[0] + info[1]) // 2 <= tile:
                     info[0] = (info[0] + info[1]) // 2
                 else:
