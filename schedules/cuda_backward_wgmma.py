@@ -98,7 +98,7 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         bx, bh = T.cta_id([T.Cast("int32", tiles.count), T.Cast("int32", B * HK)])
         tid = T.thread_id([NT])
         b, hk = T.meta_var(batch_and_head(bh, HK))
-        G = T.meta_var(H // HK)
+        G = T.meta_var(tirx.truncdiv(H, HK))
         lane = T.meta_var(tid % 32)
         wg = T.meta_var(tid // 128)
         seq = T.alloc_local([tiles.registers()], "int64")

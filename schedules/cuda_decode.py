@@ -70,7 +70,7 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         T.func_attr({"tirx.noalias": True})
         Q, K, V, cache, O, LSE, scale, score_all = T.meta_var(declare_decode_args(spec, shape, S))
         T.device_entry()
-        G = T.meta_var(H // HK)
+        G = T.meta_var(tirx.truncdiv(H, HK))
         NRB = T.meta_var((G * LQ + ROWS - 1) // ROWS)
         bx, by = T.cta_id([T.Cast("int32", NRB * S), T.Cast("int32", B * HK)])
         lane = T.thread_id([32])

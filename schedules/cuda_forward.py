@@ -88,7 +88,7 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         bx, bh = T.cta_id([T.Cast("int32", tiles.count), T.Cast("int32", B * H)])
         tid = T.thread_id([NT])
         b, h = T.meta_var(batch_and_head(bh, H))
-        hk = T.meta_var(h // (H // HK))
+        hk = T.meta_var(tirx.truncdiv(h, tirx.truncdiv(H, HK)))
         warp = T.meta_var(tid // 32)
         lane = T.meta_var(tid % 32)
         seq = T.alloc_local([tiles.registers()], "int64")

@@ -38,9 +38,11 @@ def smem_scope(nbytes: int) -> str:
 
 
 def batch_and_head(bh, heads):
-    """(batch, head), as int64, of a CTA whose grid index `bh` runs over batch x heads."""
+    """(batch, head), as int64, of a CTA whose grid index `bh` runs over batch x heads
+    (truncating division: both are positive, and floor division's sign fix-ups would be
+    repeated in every expression that indexes by them, e.g. each score's ALiBi slope)."""
     bh = tirx.Cast("int64", bh)
-    return bh // heads, bh % heads
+    return tirx.truncdiv(bh, heads), tirx.truncmod(bh, heads)
 
 
 class QStepWalk:
