@@ -82,7 +82,7 @@ SpecOption = Annotated[Optional[list[str]], typer.Option(
     help="Spec (repeatable): dtype:dN[:causal][:softcap][:alibi][:window][:kvcache], e.g. bf16:d128:causal.")]
 PresetOption = Annotated[Optional[str], typer.Option(help="The specs of a model (see `tvmflash info`).")]
 PresetDTypeOption = Annotated[DType, typer.Option(help="Data type of a preset's specs.")]
-ArchOption = Annotated[Optional[str], typer.Option(help="CUDA arch (default sm_90a).")]
+ArchOption = Annotated[Optional[str], typer.Option(help="CUDA arch (default: this machine's GPU, else sm_90a).")]
 McpuOption = Annotated[Optional[str], typer.Option(help="LLVM CPU model of the host target (default: this CPU).")]
 
 
@@ -105,17 +105,15 @@ def _select_specs(spec: Optional[list[str]], model_preset: Optional[str], dtype:
 
 
 def _target(target: Target, arch: Optional[str], mcpu: Optional[str]) -> dict:
+    """The target of `build` / `export`: tune's (CUDA: `arch`, else this machine's GPU);
+    `mcpu` picks the host target's CPU model."""
     import os
 
-    from tvmflash import build
+    from tvmflash.tune import target_of
 
-    if target == Target.cuda:
-        return build.cuda_target(arch)
-    if target == Target.avx512:
-        return build.AVX512_TARGET
-    if mcpu:
+    if target == Target.host and mcpu:
         os.environ["TVMFLASH_HOST_MCPU"] = mcpu
-    return build.host_target()
+    return target_of(target.value, arch)
 
 
 def _build_specs(console, specs: list, target: dict, out: Optional[Path]) -> None:

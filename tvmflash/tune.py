@@ -130,14 +130,15 @@ def grid(spec: AttentionSpec, phase: str, kind: str) -> list[dict]:
     return cpu_candidates(spec, phase, kind)
 
 
-def target_of(kind: str) -> dict:
-    """The target dict of `kind`: CUDA for this machine's GPU (else TVMFLASH_CUDA_ARCH / sm_90a)."""
+def target_of(kind: str, arch: str | None = None) -> dict:
+    """The target dict of `kind` ("cuda" | "avx512" | "host"): CUDA for `arch`, else this
+    machine's GPU, else TVMFLASH_CUDA_ARCH / sm_90a."""
     from .build import AVX512_TARGET, cuda_target, cuda_target_for_device, host_target
 
     if kind == "cuda":
         import torch
 
-        return cuda_target_for_device(0) if torch.cuda.is_available() else cuda_target()
+        return cuda_target(arch) if arch or not torch.cuda.is_available() else cuda_target_for_device(0)
     return AVX512_TARGET if kind == "avx512" else host_target()
 
 
