@@ -30,12 +30,13 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmflash.kernels.common import F32, Shape
+from tvmflash.kernels.dropout import check_dropout_blocks
 from tvmflash.kernels.score_mods import unit_grad
 from tvmflash.spec import AttentionSpec
 
 from .cuda_backward import _check, _declare
-from .cuda_mma import (QStepWalk, SequenceTiles, advance, batch_and_head, copy_row_stats, locate_tile,
-                       transposed_probabilities)
+from .cuda_mma import (QStepWalk, SequenceTiles, advance, batch_and_head, copy_row_stats, dropout_cols_t, dropped_ds,
+                       locate_tile, transposed_probabilities)
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
                          gemm_ss_kmajor, gemm_ss_mnmajor, wgmma_op)
 
@@ -44,19 +45,22 @@ DEFAULTS = {"bwd_wgmma": 1, "bwd_wgmma_warpgroups": 2, "bwd_wgmma_block_m": 64}
 
 def supports(spec: AttentionSpec, arch: str) -> bool:
     """sm_90a, head dims 64 and 128, modifiers of unit gradient (softcap takes the mma kernels:
-    its per-score gradient factor does not fit this kernel's registers), no dropout and no
-    block-sparse flex mask (the mma kernels apply them)."""
+    its per-score gradient factor does not fit this kernel's registers), no block-sparse flex
+    mask (the mma kernels apply it)."""
     return (arch == "sm_90a" and spec.head_dim in (64, 128) and unit_grad(spec.modifiers())
-            and "dropout" not in spec.variants and not spec.block_sparse)
+            and not spec.block_sparse)
 
 
 def default_knobs(spec: AttentionSpec) -> dict:
-    # 128-query blocks fit the registers (without spills) only at D = 64, where they pay most
-    return {**DEFAULTS, "bwd_wgmma_block_m": 128 if spec.head_dim <= 64 else 64}
+    # 128-query blocks fit the registers (without spills) only at D = 64, where they pay most;
+    # dropout keeps P and P Z apart, which 128-query blocks' shared registers cannot
+    wide = spec.head_dim <= 64 and "dropout" not in spec.variants
+    return {**DEFAULTS, "bwd_wgmma_block_m": 128 if wide else 64}
 
 
 def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFunc:
     _check(spec)
+    check_dropout_blocks(spec, knobs["bwd_wgmma_block_m"], 64 * knobs["bwd_wgmma_warpgroups"])
     assert unit_grad(spec.modifiers()), "softcap's gradient needs the mma backward (supports())"
     D, dt = spec.head_dim, spec.dtype
     NWG, BM = knobs["bwd_wgmma_warpgroups"], knobs["bwd_wgmma_block_m"]
@@ -67,6 +71,8 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
     # 128 queries: registers are short, so dP^T reuses S^T's (computed after P^T, not alongside
     # S^T) and dS^T P^T's (after dV += P^T dO), from P^T in 16 bits
     LOW_REG = BM > 64
+    if LOW_REG and "dropout" in spec.variants:
+        raise ValueError(f"dropout needs bwd_wgmma_block_m 64 (P and P Z in separate registers), got {knobs}")
     BN = 64 * NWG
     NT = 128 * NWG
     NQ8 = BM // 8          # n8 tiles of a warpgroup's S^T (64 keys x BM queries)
@@ -93,8 +99,11 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         T.func_attr({"tirx.noalias": True})
         Q, K, V, DO, LSE2, DELTA, DK, DV, DQ_ACC, scale, score = T.meta_var(declare())
         T.device_entry()
-        # packed sequences get their own key tiles (SequenceTiles; supports() excludes dropout)
-        tiles = T.meta_var(SequenceTiles(score, LQ, LK, BN, score.seqs is not None, keys=True))
+        # packed sequences get their own key tiles (SequenceTiles), except with dropout, whose
+        # random numbers are grouped by packed rows (as in the forwards)
+        tiles = T.meta_var(SequenceTiles(score, LQ, LK, BN, score.seqs is not None and score.dropout is None,
+                                         keys=True))
+        drop = T.meta_var(score.dropout)
         bx, bh = T.cta_id([T.Cast("int32", tiles.count), T.Cast("int32", B * HK)])
         tid = T.thread_id([NT])
         b, hk = T.meta_var(batch_and_head(bh, HK))
@@ -183,6 +192,8 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
                 transposed_probabilities(s, p, stats, slot, NQ8, tscore, scale, bs, h, q0, k0 + kr, lane, False)
             else:
                 transposed_probabilities(s, p, stats, slot, NQ8, tscore, scale, bs, h, q0, k0 + kr, lane, True)
+            if drop is not None:  # dV takes P Z; s keeps P with Z in its sign
+                dropout_cols_t(s, p, drop, NQ8, b, h, q0, k0 + kr, lane)
             # dV += P^T dO
             fence_registers(pw, NQ8 * 2)
             T.ptx.wgmma.fence.sync.aligned()
@@ -198,7 +209,7 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
                 for i in T.unroll(4):
                     idx = T.meta_var(nt * 4 + i)
                     prob = T.meta_var(T.Cast(F32, p[idx]) if LOW_REG else s[idx])
-                    ds[idx] = T.Cast(dt, prob * (dp[idx] - stats[slot, 1, nt * 8 + lane % 4 * 2 + i % 2]))
+                    ds[idx] = T.Cast(dt, dropped_ds(drop, prob, dp[idx], stats[slot, 1, nt * 8 + lane % 4 * 2 + i % 2]))
             if with_dq:
                 # dS^T to shared memory (one swizzled column block, keys as rows) for dQ; before
                 # the dK product reads the same registers asynchronously
