@@ -79,7 +79,8 @@ def candidates(spec: AttentionSpec, phase: str = "forward", arch: str = "sm_90a"
                             "stages": st})
     elif cuda_backward_wgmma.supports(spec, arch):
         out = [{"bwd_wgmma": 1, "bwd_wgmma_warpgroups": wg, "bwd_wgmma_block_m": bm}
-               for wg, bm in itertools.product((1, 2), (64, 128)) if bm == 64 or d <= 64]
+               for wg, bm in itertools.product((1, 2), (64, 128))
+               if bm == 64 or (d <= 64 and "dropout" not in spec.variants)]  # (dropout: 64, see its schedule)
     else:
         for bn, bm, stages, split in itertools.product((64, 128), (32, 64), (2, 3), (1, 2)):
             # split: two CTAs per kv-block share the gradient columns (for large head dims)
