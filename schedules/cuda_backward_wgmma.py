@@ -29,9 +29,9 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.kernels.common import F32, Shape
+from tvmflash.kernels.common import F32, LOG2E, Shape
 from tvmflash.kernels.dropout import check_dropout_blocks
-from tvmflash.kernels.score_mods import unit_grad
+from tvmflash.kernels.score_mods import grad_from_output
 from tvmflash.spec import AttentionSpec
 
 from .cuda_backward import _check, _declare
@@ -44,10 +44,10 @@ DEFAULTS = {"bwd_wgmma": 1, "bwd_wgmma_warpgroups": 2, "bwd_wgmma_block_m": 64}
 
 
 def supports(spec: AttentionSpec, arch: str) -> bool:
-    """sm_90a, head dims 64 and 128, modifiers of unit gradient (softcap takes the mma kernels:
-    its per-score gradient factor does not fit this kernel's registers), no block-sparse flex
-    mask (the mma kernels apply it)."""
-    return (arch == "sm_90a" and spec.head_dim in (64, 128) and unit_grad(spec.modifiers())
+    """sm_90a, head dims 64 and 128, modifiers whose gradient is 1 or follows from the modified
+    score (softcap alone; a factor per score would not fit this kernel's registers, so it is
+    recomputed from P and lse), no block-sparse flex mask (the mma kernels apply it)."""
+    return (arch == "sm_90a" and spec.head_dim in (64, 128) and grad_from_output(spec.modifiers())
             and not spec.block_sparse)
 
 
@@ -58,10 +58,15 @@ def default_knobs(spec: AttentionSpec) -> dict:
     return {**DEFAULTS, "bwd_wgmma_block_m": 128 if wide else 64}
 
 
+def _fast_log2(x):
+    """log2 as one MUFU instruction (__log2f; absolute error ~2^-22)."""
+    return tirx.call_pure_extern(F32, "__log2f", x)
+
+
 def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.PrimFunc:
     _check(spec)
     check_dropout_blocks(spec, knobs["bwd_wgmma_block_m"], 64 * knobs["bwd_wgmma_warpgroups"])
-    assert unit_grad(spec.modifiers()), "softcap's gradient needs the mma backward (supports())"
+    assert grad_from_output(spec.modifiers()), "this gradient needs the mma backward (supports())"
     D, dt = spec.head_dim, spec.dtype
     NWG, BM = knobs["bwd_wgmma_warpgroups"], knobs["bwd_wgmma_block_m"]
     if D % 64 or NWG not in (1, 2) or D % (8 * NWG) or BM not in (64, 128):
@@ -209,7 +214,14 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
                 for i in T.unroll(4):
                     idx = T.meta_var(nt * 4 + i)
                     prob = T.meta_var(T.Cast(F32, p[idx]) if LOW_REG else s[idx])
-                    ds[idx] = T.Cast(dt, dropped_ds(drop, prob, dp[idx], stats[slot, 1, nt * 8 + lane % 4 * 2 + i % 2]))
+                    qc = T.meta_var(nt * 8 + lane % 4 * 2 + i % 2)
+                    grad = T.meta_var(dropped_ds(drop, prob, dp[idx], stats[slot, 1, qc]))
+                    if score.unit_grad:
+                        ds[idx] = T.Cast(dt, grad)
+                    else:  # softcap: its factor from the capped score, log2(P) + lse2 (in log2 units)
+                        capped = T.meta_var((_fast_log2(T.abs(prob)) + stats[slot, 0, qc]) * T.float32(1 / LOG2E))
+                        ds[idx] = T.Cast(dt, T.Select(prob != T.float32(0), grad * score.grad_of_output(capped),
+                                                      T.float32(0)))
             if with_dq:
                 # dS^T to shared memory (one swizzled column block, keys as rows) for dQ; before
                 # the dK product reads the same registers asynchronously

@@ -57,9 +57,9 @@ def test_hopper_kernels_run_on_wgmma_where_they_take_the_spec():
     assert uses_wgmma(AttentionSpec("float16", 256), "sm_90a") == (True, False, False)
     assert uses_wgmma(AttentionSpec("float16", 96), "sm_90a") == (False, False, False)
     assert uses_wgmma(AttentionSpec("float16", 128), "sm_80") == (False, False, False)
-    # dropout's backward too (64-query blocks); softcap's gradient factor keeps the mma backward
+    # dropout's and softcap's backward too (64-query blocks; softcap's factor recomputed from P)
     assert uses_wgmma(AttentionSpec("bfloat16", 64, variants=("dropout",)), "sm_90a") == (True, True, False)
-    assert uses_wgmma(AttentionSpec("bfloat16", 128, variants=("softcap",)), "sm_90a") == (True, False, False)
+    assert uses_wgmma(AttentionSpec("bfloat16", 128, variants=("softcap",)), "sm_90a") == (True, True, False)
 
 
 @needs_nvcc

@@ -346,6 +346,10 @@ class _BoundSoftcap(Softcap):
     def grad(self, score, ix, shape):
         return bind_once(_tanh(score * self._inverse()), lambda t: tirx.const(1.0, F32) - t * t, name="tanh")
 
+    def grad_of_output(self, capped):
+        """The gradient from the capped score (cap tanh): 1 - (capped / cap)^2."""
+        return bind_once(capped * self._inverse(), lambda t: tirx.const(1.0, F32) - t * t, name="tanh")
+
     def _inverse(self):
         """1 / cap: loop-invariant, where a division per score would not be hoisted."""
         return tirx.const(1.0, F32) / self.cap
@@ -541,6 +545,15 @@ def unit_grad(mods) -> bool:
     return all(m.unit_grad for m in mods)
 
 
+def grad_from_output(mods) -> bool:
+    """Whether d(modified score)/d(score) is a function of the modified score alone
+    (`ScorePipeline.grad_of_output`): unit gradients, or softcap as the only modifier that
+    changes values. A backward can then recover it from P and the row's lse instead of
+    keeping a factor per score."""
+    changing = [m for m in mods if not m.is_mask]
+    return unit_grad(mods) or (len(changing) == 1 and isinstance(changing[0], Softcap))
+
+
 @dataclass(frozen=True)
 class KVWalk:
     """A query tile's kv tiles: `count` of them, the j-th starting at key `k0(j)`; `live(j)`
@@ -637,6 +650,11 @@ class ScorePipeline:
         """Whether d(pipeline)/d(score) is 1 wherever p > 0 (no softcap): the backward's dS
         then needs no factor per score."""
         return unit_grad(self.mods)
+
+    def grad_of_output(self, modified):
+        """d(pipeline)/d(score) from the modified score (where `grad_from_output(mods)`)."""
+        changing = [m for m in self.mods if not m.unit_grad]
+        return changing[0].grad_of_output(modified) if changing else tirx.const(1.0, F32)
 
     @property
     def changes_values(self) -> bool:
