@@ -246,9 +246,11 @@ CUDA_VARIANTS = [(torch.float16, 64, False, (100, 7), False, 0.0, 0.0),
                  (torch.float16, 64, True, (-1, -1), True, 0.0, 0.0),
                  (torch.bfloat16, 128, False, (-1, -1), False, 2.0, 0.0),
                  (torch.float16, 64, True, (-1, -1), True, 5.0, 0.0),
-                 (torch.bfloat16, 128, False, (-1, -1), False, 0.0, 0.2),  # wgmma forward, mma backward
+                 (torch.bfloat16, 128, False, (-1, -1), False, 0.0, 0.2),
                  (torch.float16, 64, True, (100, -1), True, 0.0, 0.3),
-                 (torch.bfloat16, 64, False, (-1, -1), False, 3.0, 0.1)]
+                 (torch.bfloat16, 64, False, (-1, -1), False, 3.0, 0.1),
+                 # softcap on the wgmma backward's 128-query blocks (its factor from P in 16 bits)
+                 (torch.float16, 64, True, (-1, -1), False, 4.0, 0.0)]
 
 
 def cuda_variant_specs() -> list:
