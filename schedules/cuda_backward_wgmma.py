@@ -104,10 +104,7 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         T.func_attr({"tirx.noalias": True})
         Q, K, V, DO, LSE2, DELTA, DK, DV, DQ_ACC, scale, score = T.meta_var(declare())
         T.device_entry()
-        # packed sequences get their own key tiles (SequenceTiles), except with dropout, whose
-        # random numbers are grouped by packed rows (as in the forwards)
-        tiles = T.meta_var(SequenceTiles(score, LQ, LK, BN, score.seqs is not None and score.dropout is None,
-                                         keys=True))
+        tiles = T.meta_var(SequenceTiles(score, LQ, LK, BN, keys=True))  # packed sequences' own key tiles
         drop = T.meta_var(score.dropout)
         bx, bh = T.cta_id([T.Cast("int32", tiles.count), T.Cast("int32", B * HK)])
         tid = T.thread_id([NT])

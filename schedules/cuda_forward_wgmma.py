@@ -77,9 +77,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         T.func_attr({"tirx.noalias": True})
         Q, K, V, O, LSE, scale, score = T.meta_var(declare_forward_args(spec, shape))
         T.device_entry()
-        # packed sequences without dropout get their own query tiles (dropout's random
-        # numbers come in groups aligned to the packed rows, so those keep the shared tiles)
-        tiles = T.meta_var(SequenceTiles(score, LQ, LK, BM, score.seqs is not None and score.dropout is None))
+        tiles = T.meta_var(SequenceTiles(score, LQ, LK, BM))  # packed sequences' own query tiles
         bx, bh = T.cta_id([T.Cast("int32", tiles.count), T.Cast("int32", B * H)])
         tid = T.thread_id([NT])
         b, h = T.meta_var(batch_and_head(bh, H))

@@ -161,21 +161,24 @@ class SequenceTiles:
     """The tiles of a kernel's grid (x dimension) along queries or keys (`keys`), and where each
     lies.
 
-    Dense: tile t covers rows [t BM, t BM + BM) of batch entry b. Packed sequences (`packed`):
-    each sequence gets its own tiles, as if called alone (flash-attn's varlen grid), so no
-    tile spans two sequences and the other axis's tiles start at the sequence's first row: in
-    the sequence table, sequence s owns tiles [start[s] // BM + s, + ceil(count[s] / BM)), which
-    are disjoint and in order, all below rows // BM + sequences + 1; a tile between two ranges
-    has no rows. `locate_tile` finds a tile's sequence with a binary search over the table
-    (once per CTA)."""
+    Dense: tile t covers rows [t BM, t BM + BM) of batch entry b. Packed sequences (`packed`)
+    without dropout: each sequence gets its own tiles, as if called alone (flash-attn's varlen
+    grid), so no tile spans two sequences and the other axis's tiles start at the sequence's
+    first row: in the sequence table, sequence s owns tiles [start[s] // BM + s,
+    + ceil(count[s] / BM)), which are disjoint and in order, all below rows // BM + sequences
+    + 1; a tile between two ranges has no rows. `locate_tile` finds a tile's sequence with a
+    binary search over the table (once per CTA). With dropout, packed sequences keep the
+    shared tiles of the packed rows: its random numbers come in groups aligned to those rows,
+    and every kernel must tile alike to draw the same mask."""
 
-    def __init__(self, score, seqlen_q, seqlen_k, block: int, packed: bool, keys: bool = False):
-        self.score, self.block, self.packed = score, block, packed
+    def __init__(self, score, seqlen_q, seqlen_k, block: int, keys: bool = False):
+        self.score, self.block = score, block
+        self.packed = score.seqs is not None and score.dropout is None
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
         self.column = 2 if keys else 0  # the tiled axis's start in the table's rows
-        self.table = score.seqs.seqs if packed else None
+        self.table = score.seqs.seqs if self.packed else None
         rows = seqlen_k if keys else seqlen_q
-        self.count = rows // block + self.table.shape[0] + 1 if packed else (rows + block - 1) // block
+        self.count = rows // block + self.table.shape[0] + 1 if self.packed else (rows + block - 1) // block
 
     def registers(self) -> int:
         """int64 registers `locate_tile` fills: sequence, q start, q count, k start, k count."""
