@@ -114,6 +114,9 @@ def test_captured_values_are_arguments():
     (lambda s, b, h, q, kv: q > kv, TypeError, "must return a float score"),
     (lambda s, b, h, q, kv: s + torch.ones(2, 2)[h], TypeError, "must be indexed by 2"),
     (lambda s, b, h, q, kv: torch.erf(s), TypeError, "cannot trace"),
+    # no kernel computes gradients of captured tables: refused, not silently zero
+    (lambda s, b, h, q, kv: s + torch.ones(2, requires_grad=True)[h], NotImplementedError,
+     "gradients with respect to tensors captured"),
 ])
 def test_untraceable_score_mods_raise(fn, exc, message):
     q = torch.randn(1, 2, 8, 16)
