@@ -19,8 +19,12 @@ from .knobs import Knobs
 
 DEFAULTS = {"block_q": 64, "block_k": 64, "bwd_block_q": 64, "bwd_block_k": 64}
 SPLIT_MAX_Q = 16  # the split-KV forward serves Lq <= this (decode)
-SPLIT_BLOCK_ROWS = 8  # query rows (a kv-head's heads x queries) per task
+SPLIT_BLOCK_ROWS = 4  # query rows (a kv-head's heads x queries) per task
 SPLIT_BLOCK_K = 64  # keys per kv-block (the unit of the splits)
+SPLIT_TASK_KEYS = 2048  # automatic splits: at most this many keys a task (Xeon, 1k-16k caches)
+# O columns a value pass of the split-KV forward keeps in registers, per fp32 lanes of the
+# target: 4 rows x 4 zmm of 32 registers, 4 rows x 2 ymm of 16
+SPLIT_VALUE_COLS = {16: 64, 8: 16}
 
 RULES = {
     # transposing loads and per-query reductions over S^T tiles
@@ -66,8 +70,9 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
     from ..kernels.decode import forward_combine_kernel, forward_split_kernel
     from ..kernels.forward import forward_kernel
 
+    split_args = (SPLIT_BLOCK_ROWS, SPLIT_BLOCK_K, SPLIT_VALUE_COLS[vector_length(target)])
     if spec.kv_cache:  # flash_attn_with_kvcache's decode: the split-KV forward on the cache
-        return {"decode": forward_split_kernel(spec, SPLIT_BLOCK_ROWS, SPLIT_BLOCK_K).with_attr("global_symbol", "decode"),
+        return {"decode": forward_split_kernel(spec, *split_args).with_attr("global_symbol", "decode"),
                 "decode_combine": forward_combine_kernel(spec).with_attr("global_symbol", "decode_combine")}
     bq, bk = knobs["bwd_block_q"], knobs["bwd_block_k"]
     funcs = {
@@ -78,7 +83,7 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
         "backward_fused": backward_dkdv_kernel(spec, bq, bk, fuse_dq=True),
     }
     if "dropout" not in spec.variants:  # decode (inference) has no dropout
-        funcs["forward_split"] = forward_split_kernel(spec, SPLIT_BLOCK_ROWS, SPLIT_BLOCK_K)
+        funcs["forward_split"] = forward_split_kernel(spec, *split_args)
         funcs["forward_combine"] = forward_combine_kernel(spec)
     return funcs
 

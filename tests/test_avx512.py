@@ -15,6 +15,7 @@ import tvmflash
 from tvmflash import AttentionSpec
 from tvmflash.cpu import runs_avx512_amx
 from test_attention import DTYPES, check_against_reference, flash_run, make, masks
+from test_kvcache import check_kvcache
 
 SPR = {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 16}
 
@@ -59,6 +60,16 @@ def test_asm_fp32_and_fp16_run_on_zmm_fmas(dtype):
     for name in ("forward", "backward_dkdv", "backward_dq"):
         assert asm[name].count("vfmadd231ps\t%zmm") + asm[name].count("vfmadd213ps\t%zmm") > 20, name
         assert "tdpbf16ps" not in asm[name]
+
+
+def test_asm_decode_prefetches_rows_on_zmm_fmas():
+    """The cache decode kernel prefetches its K / V rows into L2 (prefetcht1: a kv-head's rows
+    lie at a stride the hardware prefetchers do not follow) and computes on zmm FMAs."""
+    from dataclasses import replace
+
+    asm = spr_asm(replace(AttentionSpec("bfloat16", 128), kv_cache=True))["decode"]
+    assert asm.count("prefetcht1") >= 8
+    assert asm.count("vfmadd231ps\t%zmm") >= 32
 
 
 needs_amx = pytest.mark.skipif(not runs_avx512_amx(), reason="CPU lacks AVX512 + AMX (or the OS denies AMX)")
@@ -151,3 +162,12 @@ def test_amx_forward_running_max(direction):
     dout = torch.randn(2, 4, lq, d, generator=g)
     q, k, v, dout = (x.contiguous().bfloat16() for x in (q, k, v, dout))
     check_against_reference(q, k, v, dout, flash_run(False))
+
+
+@needs_amx
+@pytest.mark.parametrize("lq", [1, 3])
+def test_kvcache_decode(lq):
+    """flash_attn_with_kvcache's split-KV kernel on the AVX512 path (register blocks of 64 O
+    columns): a group of 5 query heads, thousands of keys over several splits, 16-key pages."""
+    check_kvcache("paged16", False, (-1, -1), None, lq, 0, dtype=torch.bfloat16, heads=(5, 1), d=128,
+                  capacity=2100, lengths=(2050, 3, 700))

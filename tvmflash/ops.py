@@ -287,13 +287,14 @@ def _decode_scratch(shape: tuple, device: torch.device, stream: int) -> tuple:
 
 
 def _cpu_splits(B: int, H: int, Hk: int, Lq: int, keys: int, requested: int = 0) -> int:
-    """Key splits of the CPU split-KV forward: `requested` (0: enough for about two tasks per
-    thread; a kv-head's query rows share a task), at most one per kv-block of `keys`."""
-    from .schedules.host import SPLIT_BLOCK_K, SPLIT_BLOCK_ROWS
+    """Key splits of the CPU split-KV forward: `requested`, or (0) enough for about two tasks
+    per thread (a kv-head's query rows share a task) and at most SPLIT_TASK_KEYS keys a task;
+    at most one split per kv-block of `keys`."""
+    from .schedules.host import SPLIT_BLOCK_K, SPLIT_BLOCK_ROWS, SPLIT_TASK_KEYS
 
     if requested <= 0:
         tasks = B * Hk * -(-(H // Hk) * Lq // SPLIT_BLOCK_ROWS)  # before splitting the keys
-        requested = -(-2 * torch.get_num_threads() // tasks)
+        requested = max(-(-2 * torch.get_num_threads() // tasks), -(-keys // SPLIT_TASK_KEYS))
     return max(1, min(requested, -(-keys // SPLIT_BLOCK_K)))
 
 
