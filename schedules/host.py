@@ -70,10 +70,17 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
     from ..kernels.decode import forward_combine_kernel, forward_split_kernel
     from ..kernels.forward import forward_kernel
 
-    split_args = (SPLIT_BLOCK_ROWS, SPLIT_BLOCK_K, SPLIT_VALUE_COLS[vector_length(target)])
+    def split_kernels(prefix: str) -> dict:
+        """The split-KV forward (4 query rows a task; `_row`: one, for a kv-head with a single
+        query row, MHA decode, which 4 rows would compute 4 times) and its combine kernel."""
+        value_cols = SPLIT_VALUE_COLS[vector_length(target)]
+        return {f"{prefix}{suffix}": kernel.with_attr("global_symbol", f"{prefix}{suffix}") for suffix, kernel in (
+            ("", forward_split_kernel(spec, SPLIT_BLOCK_ROWS, SPLIT_BLOCK_K, value_cols)),
+            ("_row", forward_split_kernel(spec, 1, SPLIT_BLOCK_K, value_cols)),
+            ("_combine", forward_combine_kernel(spec)))}
+
     if spec.kv_cache:  # flash_attn_with_kvcache's decode: the split-KV forward on the cache
-        return {"decode": forward_split_kernel(spec, *split_args).with_attr("global_symbol", "decode"),
-                "decode_combine": forward_combine_kernel(spec).with_attr("global_symbol", "decode_combine")}
+        return split_kernels("decode")
     bq, bk = knobs["bwd_block_q"], knobs["bwd_block_k"]
     funcs = {
         "forward": forward_kernel(spec, knobs["block_q"], knobs["block_k"]),
@@ -83,8 +90,7 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
         "backward_fused": backward_dkdv_kernel(spec, bq, bk, fuse_dq=True),
     }
     if "dropout" not in spec.variants:  # decode (inference) has no dropout
-        funcs["forward_split"] = forward_split_kernel(spec, *split_args)
-        funcs["forward_combine"] = forward_combine_kernel(spec)
+        funcs.update(split_kernels("forward_split"))
     return funcs
 
 

@@ -161,15 +161,17 @@ def test_decode_split_kv(dtype, lq, lk, monkeypatch):
     calls = []
     split = ops._forward_split
     monkeypatch.setattr(ops, "_forward_split", lambda *a: calls.append(a) or split(*a))
-    q, k, v, dout = make(1, 2, 1, lq, lk, 64, DTYPES[dtype])
-    for causal in ("top_left", "bottom_right", "none"):
+    heads_k = (1, 2) if lq == 1 else (1,)  # 2 query heads a kv-head; 1 (one query row: the one-row kernel)
+    for hk in heads_k:
+        q, k, v, dout = make(1, 2, hk, lq, lk, 64, DTYPES[dtype])
+        for causal in ("top_left", "bottom_right", "none"):
+            check_against_reference(q, k, v, dout, lambda q, k, v: torch.ops.tvmflash.attention_forward(
+                q, k, v, None, 64 ** -0.5, causal), causal=causal)
+        mask = torch.rand(1, 1, lq, lk, generator=torch.Generator().manual_seed(lq)) > 0.3
+        mask[..., 0, :] = False
         check_against_reference(q, k, v, dout, lambda q, k, v: torch.ops.tvmflash.attention_forward(
-            q, k, v, None, 64 ** -0.5, causal), causal=causal)
-    mask = torch.rand(1, 1, lq, lk, generator=torch.Generator().manual_seed(lq)) > 0.3
-    mask[..., 0, :] = False
-    check_against_reference(q, k, v, dout, lambda q, k, v: torch.ops.tvmflash.attention_forward(
-        q, k, v, mask, 64 ** -0.5, "none"), causal="none", mask=mask)
-    assert len(calls) == 8  # two forwards (fused and split backward plans) per check
+            q, k, v, mask, 64 ** -0.5, "none"), causal="none", mask=mask)
+    assert len(calls) == 8 * len(heads_k)  # two forwards (fused and split backward plans) per check
 
 
 def test_fully_masked_rows_give_zero_output_and_finite_grads():

@@ -165,9 +165,10 @@ def test_amx_forward_running_max(direction):
 
 
 @needs_amx
-@pytest.mark.parametrize("lq", [1, 3])
-def test_kvcache_decode(lq):
-    """flash_attn_with_kvcache's split-KV kernel on the AVX512 path (register blocks of 64 O
-    columns): a group of 5 query heads, thousands of keys over several splits, 16-key pages."""
-    check_kvcache("paged16", False, (-1, -1), None, lq, 0, dtype=torch.bfloat16, heads=(5, 1), d=128,
+@pytest.mark.parametrize("lq,heads", [(1, (5, 1)), (3, (5, 1)), (1, (4, 4))])
+def test_kvcache_decode(lq, heads):
+    """flash_attn_with_kvcache's split-KV kernels on the AVX512 path (register blocks of 64 O
+    columns): groups of 5 query heads (4-row tasks, a short last one) and of 1 (the one-row
+    kernel), thousands of keys over several splits, 16-key pages."""
+    check_kvcache("paged16", False, (-1, -1), None, lq, 0, dtype=torch.bfloat16, heads=heads, d=128,
                   capacity=2100, lengths=(2050, 3, 700))

@@ -151,10 +151,13 @@ def test_kvcache_decode_odd_groups_and_head_dims():
     """The split-KV kernel's row blocks (4 query rows) and value passes (a register block of
     O columns): a group of 5 query heads (a full block and a short one whose repeated rows
     must not be stored), a head dim of 80 (not a multiple of the value pass's 64 columns on
-    AVX512), thousands of keys in many blocks over several splits, the automatic splits."""
+    AVX512), thousands of keys in many blocks over several splits, the automatic splits; one
+    query row a kv-head (MHA decode: the one-row kernel)."""
     check_kvcache("paged16", False, (-1, -1), None, 1, 0, heads=(5, 1), d=80, capacity=2100,
                   lengths=(2050, 3, 700), num_splits=3)
     check_kvcache("paged16", True, (-1, -1), None, 3, 0, heads=(5, 1), d=80, capacity=2100,
+                  lengths=(2050, 3, 700))
+    check_kvcache("paged16", False, (-1, -1), None, 1, 0, heads=(3, 3), d=80, capacity=2100,
                   lengths=(2050, 3, 700))
 
 

@@ -36,8 +36,10 @@ from .tuning import tuned_knobs
 
 CPU_KERNELS = ("forward", "backward_delta", "backward_dkdv", "backward_dq",
                "backward_fused")
-# AMX operand packing; the split-KV decode forward (not for dropout: training only)
-CPU_OPTIONAL_KERNELS = ("forward_pack", "backward_pack", "forward_split", "forward_combine")
+# AMX operand packing; the split-KV decode forward (not for dropout: training only) and its
+# one-query-row variants (schedules/host.py)
+CPU_OPTIONAL_KERNELS = ("forward_pack", "backward_pack", "forward_split", "forward_split_row",
+                        "forward_split_combine", "decode_row")
 CUDA_KERNELS = ("forward", "backward_prep", "backward_dkdv_dq", "backward_dq_convert", "backward_dkdv",
                 "backward_dq")
 DECODE_KERNELS = ("decode", "decode_combine")  # a kv_cache spec's module (any target)
@@ -396,7 +398,7 @@ def load_cached(spec: AttentionSpec, target: dict | None = None) -> dict:
                 except Exception:  # noqa: BLE001 - e.g. a library built for another machine
                     module = _load(build_cached(spec, target, rebuild=True), target)
             kernels = {name: module[name] for name in kernels_of(spec, target)}
-            if target["kind"] != "cuda" and not spec.kv_cache:
+            if target["kind"] != "cuda":
                 kernels.update((name, module[name]) for name in CPU_OPTIONAL_KERNELS
                                if module.implements_function(name, query_imports=True))
                 if "forward_pack" in kernels and not request_amx():

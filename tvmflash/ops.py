@@ -195,14 +195,15 @@ def _forward(q, k, v, mask, scale, causal, window=(-1, -1), softcap=0.0, alibi_s
 
 def _forward_split(kern: dict, q, k, v, out, lse, scale, mod_args) -> None:
     """Decode-like calls (few queries) on the CPU: a kv-head's query rows share a task, the keys
-    are cut into splits so that about two tasks per thread stream the cache, then the partial
-    results are merged."""
+    are cut into splits (_cpu_splits) that the threads stream, then the partial results are
+    merged. A kv-head with one query row (MHA decode) runs the one-row kernel."""
     B, H, Lq, D = q.shape
     splits = _cpu_splits(B, H, k.shape[1], Lq, k.shape[2])
     o_part = torch.empty((B, H, splits, Lq, D), dtype=torch.float32)
     lse_part = torch.empty((B, H, splits, Lq), dtype=torch.float32)
-    kern["forward_split"](q, k, v, o_part, lse_part, scale, *mod_args)
-    kern["forward_combine"](o_part, lse_part, out, lse)
+    split = "forward_split_row" if H // k.shape[1] * Lq == 1 else "forward_split"
+    kern[split](q, k, v, o_part, lse_part, scale, *mod_args)
+    kern["forward_split_combine"](o_part, lse_part, out, lse)
 
 
 # CTAs per SM the automatic num_splits of decode_kv_cache aims at (a tuning record's
@@ -256,8 +257,9 @@ def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kern = _kernels(spec, q.device)
 
     def launch():
-        kern["decode"](q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, o_part, lse_part,
-                       scale, *mod_args)
+        split = "decode_row" if "decode_row" in kern and H // Hk * Lq == 1 else "decode"  # (CPU: one query row)
+        kern[split](q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, o_part, lse_part,
+                    scale, *mod_args)
         kern["decode_combine"](o_part, lse_part, out, lse)
     if stream is None or (stream.cuda_stream == 0 and q.device.index == torch.cuda.current_device()):
         launch()  # a CPU, or torch's default stream, which is TVM's: no scope (its microseconds matter here)
