@@ -174,6 +174,20 @@ def test_decode_split_kv(dtype, lq, lk, monkeypatch):
     assert len(calls) == 8 * len(heads_k)  # two forwards (fused and split backward plans) per check
 
 
+def test_cpu_split_counts(monkeypatch):
+    """The automatic splits of the CPU split-KV forward: two tasks a thread at least, at most
+    SPLIT_TASK_KEYS keys a task (the Xeon's sweep), never more than one per 64-key block."""
+    from tvmflash import ops
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    assert ops._cpu_splits(16, 32, 8, 1, 16384) == 8  # 128 tasks already; 2048 keys a task
+    assert ops._cpu_splits(16, 32, 8, 1, 1024) == 1
+    assert ops._cpu_splits(1, 16, 16, 1, 1024) == 2  # 16 tasks for 16 threads: two each
+    assert ops._cpu_splits(1, 32, 8, 16, 4096) == 2  # 8 kv-heads x 16 blocks of 4 rows: 128 tasks
+    assert ops._cpu_splits(1, 1, 1, 1, 100) == 2  # 32 wanted, 2 blocks of keys
+    assert ops._cpu_splits(1, 1, 1, 1, 100, requested=1) == 1
+
+
 def test_fully_masked_rows_give_zero_output_and_finite_grads():
     q, k, v, dout = make(1, 2, 2, 5, 7, 32, torch.float32)
     mask = torch.zeros(5, 7, dtype=torch.bool)
