@@ -201,8 +201,7 @@ def _forward_split(kern: dict, q, k, v, out, lse, scale, mod_args) -> None:
     splits = _cpu_splits(B, H, k.shape[1], Lq, k.shape[2])
     o_part = torch.empty((B, H, splits, Lq, D), dtype=torch.float32)
     lse_part = torch.empty((B, H, splits, Lq), dtype=torch.float32)
-    split = "forward_split_row" if H // k.shape[1] * Lq == 1 else "forward_split"
-    kern[split](q, k, v, o_part, lse_part, scale, *mod_args)
+    _split_kernel(kern, "forward_split", H // k.shape[1] * Lq)(q, k, v, o_part, lse_part, scale, *mod_args)
     kern["forward_split_combine"](o_part, lse_part, out, lse)
 
 
@@ -257,9 +256,8 @@ def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kern = _kernels(spec, q.device)
 
     def launch():
-        split = "decode_row" if "decode_row" in kern and H // Hk * Lq == 1 else "decode"  # (CPU: one query row)
-        kern[split](q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, o_part, lse_part,
-                    scale, *mod_args)
+        _split_kernel(kern, "decode", H // Hk * Lq)(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad,
+                                                     new_keys, o_part, lse_part, scale, *mod_args)
         kern["decode_combine"](o_part, lse_part, out, lse)
     if stream is None or (stream.cuda_stream == 0 and q.device.index == torch.cuda.current_device()):
         launch()  # a CPU, or torch's default stream, which is TVM's: no scope (its microseconds matter here)
@@ -286,6 +284,12 @@ def _decode_scratch(shape: tuple, device: torch.device, stream: int) -> tuple:
                    torch.empty(shape[:-1], dtype=torch.float32, device=device))
         _decode_scratches[key] = scratch
     return scratch
+
+
+def _split_kernel(kern: dict, name: str, rows_per_kv_head: int):
+    """The split-KV kernel `name`, or its one-row variant (`name`_row, CPU modules) for a
+    kv-head with a single query row (MHA decode)."""
+    return kern.get(f"{name}_row", kern[name]) if rows_per_kv_head == 1 else kern[name]
 
 
 def _cpu_splits(B: int, H: int, Hk: int, Lq: int, keys: int, requested: int = 0) -> int:

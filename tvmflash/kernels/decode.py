@@ -159,6 +159,17 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
         for c in T.vectorized(4):
             part[c] = combine(part[c], part[c + 4])
 
+    @T.macro
+    def fold_scores(part, s, r, combine):
+        """Row r's BK scores folded into the first 4 lanes of `part` (BK / 16 vectors, then
+        halving)."""
+        for c in T.vectorized(LANES):
+            part[c] = s[r, c]
+        for jc in T.serial(1, BK // LANES):
+            for c in T.vectorized(LANES):
+                part[c] = combine(part[c], s[r, jc * LANES + c])
+        fold_to_four(part, combine)
+
     def four(part, combine):
         return combine(combine(part[0], part[1]), combine(part[2], part[3]))
 
@@ -181,7 +192,7 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                 row_f32 = T.sblock_alloc_buffer((D,), F32)  # the key (or value) row being used
                 part = T.sblock_alloc_buffer((LANES,), F32)  # lanes of a reduction
                 s = T.sblock_alloc_buffer((RB, BK), F32)
-                st = T.sblock_alloc_buffer((RB, 4), F32)  # per row: m, l, block max, block sum
+                st = T.sblock_alloc_buffer((RB, 3), F32)  # per row: m, l, block max
                 rix = T.sblock_alloc_buffer((RB, 2), "int64")  # per row: query head, query index
                 # cached: each key's (page, row) in this block (slot kb % 2) and the next, clamped
                 # into the sequence (keys outside it get p = 0, but 0 * a NaN from unwritten cache
@@ -234,26 +245,16 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                                 s[r, j] = score(four(part, add) if VL == LANES else part[0],
                                                 ScoreIndex(vb, rix[r, 0], rix[r, 1], pk0 + j - first_key))
                         for r in T.serial(RB):  # online softmax: rescale O by exp(m_old - m_new)
-                            for c in T.vectorized(LANES):  # block max: BK / 16 vectors, then halving
-                                part[c] = s[r, c]
-                            for jc in T.serial(1, BK // LANES):
-                                for c in T.vectorized(LANES):
-                                    part[c] = T.max(part[c], s[r, jc * LANES + c])
-                            fold_to_four(part, T.max)
-                            st[r, 2] = four(part, T.max)
+                            fold_scores(part, s, r, T.max)
+                            st[r, 2] = four(part, T.max)  # the block's max
                             for d in T.vectorized(D):
                                 acc[r, d] = acc[r, d] * fast_exp(st[r, 0] - T.max(st[r, 0], st[r, 2]))
                             st[r, 1] = st[r, 1] * fast_exp(st[r, 0] - T.max(st[r, 0], st[r, 2]))
                             st[r, 0] = T.max(st[r, 0], st[r, 2])
                             for j in T.vectorized(BK):
                                 s[r, j] = fast_exp(s[r, j] - st[r, 0])
-                            for c in T.vectorized(LANES):  # block sum, the same way
-                                part[c] = s[r, c]
-                            for jc in T.serial(1, BK // LANES):
-                                for c in T.vectorized(LANES):
-                                    part[c] = part[c] + s[r, jc * LANES + c]
-                            fold_to_four(part, add)
-                            st[r, 1] = st[r, 1] + four(part, add)
+                            fold_scores(part, s, r, add)
+                            st[r, 1] = st[r, 1] + four(part, add)  # plus the block's sum
                         for dv in T.serial(D // DV):  # O += p_j V_j (padded keys have p = 0)
                             for j in T.serial(BK):
                                 for d in T.vectorized(DV):
