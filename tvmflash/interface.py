@@ -135,6 +135,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 def _check_window(window_size, causal: bool) -> tuple:
     """flash-attn's window: (left, right) ints, negative = unbounded; causal caps right at 0.
     Returns the pair the kernels take, -1 for a side that does not restrict beyond `causal`."""
+    if type(window_size) is tuple and window_size == (-1, -1) and type(window_size[0]) is type(window_size[1]) is int:
+        return window_size  # the common case, checked in a fraction of a microsecond (decode calls count them)
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
             and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
         raise ValueError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
@@ -497,10 +499,11 @@ def _check_index_tensor(name: str, x, batch: int, device):
     return x
 
 
-@functools.lru_cache(maxsize=None)
-def _zeros_int32(device) -> torch.Tensor:
-    """A (1,) int32 zero on `device`, kept (decode calls are short: no fresh tensor each)."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
+@functools.lru_cache(maxsize=64)
+def _zeros_int32(n: int, device) -> torch.Tensor:
+    """(n,) int32 zeros on `device`, kept (decode calls are short: no fresh tensor or view each;
+    only ever read)."""
+    return torch.zeros(n, dtype=torch.int32, device=device)
 
 
 @functools.lru_cache(maxsize=16)
@@ -584,9 +587,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                    or 2 * rotary_cos.shape[1] > D):
         raise ValueError(f"rotary_cos/rotary_sin must be (seqlen_ro, rotary_dim / 2) with rotary_dim <= "
                          f"head_dim ({D}), got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+    # the scalar arguments are checked before anything is written
+    scale = _scale(softmax_scale, D, "softmax_scale")
+    window = _check_window(window_size, causal)
+    softcap = _check_softcap(softcap)
+    if alibi_slopes is not None:
+        _check_alibi(alibi_slopes, q.transpose(1, 2), B)
+    q_steps = causal or window != (-1, -1)  # the queries sit at consecutive positions (rotary)
     in_place = (Lq <= DECODE_MAX_QUERIES and k_cache.shape[2] > 0 and H % k_cache.shape[2] == 0
                 and (not q.is_cuda or (q.dtype != torch.float32 and D % 16 == 0)))
-    zeros = _zeros_int32(q.device).expand(B)
+    zeros = _zeros_int32(B, q.device)
     if isinstance(cache_seqlens, torch.Tensor):
         seqlens, length = cache_seqlens, 0
     else:  # one length for every batch entry: a scalar added to zero per-batch lengths (no tensor to make)
@@ -596,13 +606,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         rows = _arange_int32(B, q.device)
     if not (in_place and q.is_cuda):  # (reading them costs a CPU nothing)
         _check_cache_indices(k_cache, block_table, rows, seqlens + length, leftpad, new, capacity, rotary_cos, Lq,
-                             causal or tuple(window_size) != (-1, -1))
+                             q_steps)
     if rotary_cos is not None or new:
         with torch.no_grad():
             positions = seqlens.long()[:, None] + length  # where the new tokens go
             if rotary_cos is not None:
                 steps = torch.arange(max(Lq, new), device=q.device)
-                q_pos = positions + steps[:Lq] if causal or tuple(window_size) != (-1, -1) else positions.expand(B, Lq)
+                q_pos = positions + steps[:Lq] if q_steps else positions.expand(B, Lq)
                 q = _rotate(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
                 if k is not None:
                     k = _rotate(k, rotary_cos, rotary_sin, positions + steps[:new], rotary_interleaved)
@@ -617,15 +627,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if in_place:
         qh = q.transpose(1, 2)
         table = block_table if paged else rows[:, None]
-        out, lse = ops.decode_kv_cache(qh, k_cache, v_cache, table, seqlens, leftpad, length + new,
-                                       _scale(softmax_scale, D, "softmax_scale"), causal,
-                                       _check_window(window_size, causal), _check_softcap(softcap),
-                                       _check_alibi(alibi_slopes, qh, B), num_splits)
-        out = out.transpose(1, 2)
+        out, lse = ops.decode_kv_cache(qh, k_cache, v_cache, table, seqlens, leftpad, length + new, scale, causal,
+                                       window, softcap, alibi_slopes, num_splits)
     else:
         with torch.no_grad():
             out, lse = _gathered_kvcache(q, k_cache, v_cache, block_table, rows, seqlens + length, leftpad, new,
-                                         softmax_scale, causal, window_size, softcap, alibi_slopes)
+                                         scale, causal, window, softcap, alibi_slopes)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -212,7 +212,7 @@ DECODE_CTAS_PER_SM = 4
 
 @functools.lru_cache(maxsize=None)
 def _decode_spec(dtype, head_dim: int, causal: bool, window: tuple, softcap: bool, alibi: bool) -> tuple:
-    """The kv_cache spec of a decode call and its CTAs per SM (cached: decode calls are short)."""
+    """The kv_cache spec of a decode call and its CTAs per SM."""
     from .tuning import tuned_knobs
 
     variants = _variant_names(window, softcap, alibi, False, False)
@@ -226,6 +226,29 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _decode_plan(q: torch.Tensor, heads_k: int, capacity: int, causal: bool, window: tuple, softcap: bool,
+                 alibi: bool, num_splits: int) -> tuple:
+    """What a decode call's shape fixes: (spec, split kernel, combine kernel, o_part, lse_part).
+    The split partials are kept per device, stream and shape (CPU: per calling thread): calls
+    on one stream run in order, so reuse is safe."""
+    B, H, Lq, D = q.shape
+    spec, per_sm = _decode_spec(q.dtype, D, causal, window, softcap, alibi)
+    if q.is_cuda:
+        if num_splits <= 0:  # waves of decode_ctas_per_sm CTAs (one warp each) per SM, the last one full
+            ctas = B * heads_k * -(-(H // heads_k) * Lq // DECODE_ROWS)
+            num_splits = max(1, per_sm * _sm_count(q.device) // ctas)
+        splits = max(1, min(num_splits, -(-capacity // 16), 256))  # a split has a 16-key tile at least
+    else:
+        splits = _cpu_splits(B, H, heads_k, Lq, capacity, num_splits)
+    kern = _kernels(spec, q.device)
+    o_part = torch.empty((B, H, splits, Lq, D), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((B, H, splits, Lq), dtype=torch.float32, device=q.device)
+    return spec, _split_kernel(kern, "decode", H // heads_k * Lq), kern["decode_combine"], o_part, lse_part
+
+
+_decode_plans: dict = {}
+
+
 def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     cache_seqlens: torch.Tensor, cache_leftpad: torch.Tensor, new_keys: int, scale: float,
                     causal: bool, window: tuple, softcap: float, alibi_slopes: Optional[torch.Tensor],
@@ -235,55 +258,37 @@ def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     caches (pages, page_size, Hk, D); block_table (B, max_pages), cache_seqlens and
     cache_leftpad (B,) int32 (views; zero strides broadcast): batch entry b's keys are cache
     positions [cache_leftpad[b], cache_seqlens[b] + new_keys). `num_splits` 0 picks the splits
-    from the shape and the device. Returns out (B, H, Lq, D) and lse."""
+    from the shape and the device. Returns out (B, Lq, H, D) and lse (B, H, Lq).
+
+    A decode step costs the GPU tens of microseconds, so the host path is kept short: what
+    the shape fixes is looked up once per shape and stream (`_decode_plan`)."""
     B, H, Lq, D = q.shape
-    Hk = k_cache.shape[2]
-    spec, per_sm = _decode_spec(q.dtype, D, causal, window, softcap > 0, alibi_slopes is not None)
+    device = q.device
+    cuda = device.type == "cuda"
+    # the raw handle of torch's current stream (torch.cuda.current_stream builds an object: 3 us)
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if cuda else threading.get_ident()
     capacity = block_table.shape[1] * k_cache.shape[1]  # keys of the longest possible sequence
-    if q.is_cuda:
-        stream = torch.cuda.current_stream(q.device)
-        if num_splits <= 0:  # waves of decode_ctas_per_sm CTAs (one warp each) per SM, the last one full
-            ctas = B * Hk * -(-(H // Hk) * Lq // DECODE_ROWS)
-            num_splits = max(1, per_sm * _sm_count(q.device) // ctas)
-        splits = max(1, min(num_splits, -(-capacity // 16), 256))  # a split has a 16-key tile at least
-    else:
-        stream = None
-        splits = _cpu_splits(B, H, Hk, Lq, capacity, num_splits)
-    o_part, lse_part = _decode_scratch((B, H, splits, Lq, D), q.device, stream.cuda_stream if stream else 0)
-    out = torch.empty((B, Lq, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
-    lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+    key = (q.shape, q.dtype, device, k_cache.shape[2], capacity, causal, window, softcap > 0,
+           alibi_slopes is not None, num_splits, stream)
+    plan = _decode_plans.get(key)
+    if plan is None:
+        if len(_decode_plans) > 32:  # (each holds its split partials: a few MB at most)
+            _decode_plans.clear()
+        plan = _decode_plans[key] = _decode_plan(q, k_cache.shape[2], capacity, causal, window, softcap > 0,
+                                                 alibi_slopes is not None, num_splits)
+    spec, decode, combine, o_part, lse_part = plan
+    out = torch.empty((B, Lq, H, D), dtype=q.dtype, device=device)
+    lse = torch.empty((B, H, Lq), dtype=torch.float32, device=device)
     mod_args = _mod_args(spec, (B, H, Lq, capacity), None, window, softcap, alibi_slopes) if spec.variants else ()
-    kern = _kernels(spec, q.device)
-
-    def launch():
-        _split_kernel(kern, "decode", H // Hk * Lq)(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad,
-                                                     new_keys, o_part, lse_part, scale, *mod_args)
-        kern["decode_combine"](o_part, lse_part, out, lse)
-    if stream is None or (stream.cuda_stream == 0 and q.device.index == torch.cuda.current_device()):
-        launch()  # a CPU, or torch's default stream, which is TVM's: no scope (its microseconds matter here)
+    if not cuda or (stream == 0 and device.index == torch._C._cuda_getDevice()):
+        scope = contextlib.nullcontext()  # a CPU, or torch's default stream, which is TVM's: no scope (5-20 us)
     else:
-        with _on_stream(q.device, stream):
-            launch()
+        scope = _on_stream(device)
+    with scope:
+        decode(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, o_part, lse_part, scale,
+               *mod_args)
+        combine(o_part, lse_part, out.transpose(1, 2), lse)
     return out, lse
-
-
-_decode_scratches: dict = {}
-
-
-def _decode_scratch(shape: tuple, device: torch.device, stream: int) -> tuple:
-    """The split partials (o_part of `shape`, lse_part), kept per device, stream and shape: a
-    decode call is tens of microseconds, and two fresh tensors a call cost a few. Calls on one
-    stream run in order, so reuse is safe (CPU: per calling thread); the last shapes stay
-    allocated (a few MB)."""
-    key = (shape, device, stream, threading.get_ident() if device.type == "cpu" else 0)
-    scratch = _decode_scratches.get(key)
-    if scratch is None:
-        if len(_decode_scratches) > 16:
-            _decode_scratches.clear()
-        scratch = (torch.empty(shape, dtype=torch.float32, device=device),
-                   torch.empty(shape[:-1], dtype=torch.float32, device=device))
-        _decode_scratches[key] = scratch
-    return scratch
 
 
 def _split_kernel(kern: dict, name: str, rows_per_kv_head: int):
