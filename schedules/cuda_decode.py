@@ -7,18 +7,26 @@ new_keys), found through `block_table` pages (a contiguous cache is one page per
 batch entry). The score modifiers (causal, window, ALiBi, softcap) see each score in the
 sequence's own coordinates, as in flash_attn_with_kvcache.
 
-Mapping: one CTA of one warp per (batch, kv-head, block of 16 query rows, split). A block's
-rows are the kv-head's query heads x queries (GQA packs the group: a K/V tile is read once
-for all of them); with Lq = 1 and 4 heads per kv-head that is 4 of an m16 tile's rows, which
-costs tensor-core cycles the memory-bound kernel has to spare. A split owns a range of K/V
-tiles of `decode_block_n` keys, aligned to cache positions so that each 16 keys lie in one
-page (pages are multiples of 16): one table lookup per 16 rows. Tiles stream through a ring
-of `decode_stages` shared-memory buffers (`cp.async`, rows past the sequence zero-filled,
-page numbers clamped to the cache); S and O run on `mma.sync` as in cuda_forward.py. Each
-split writes its rows' O / l and lse (fp32); `decode_combine` merges them by lse.
+Mapping: one CTA of `decode_warps` warps per (batch, kv-head, block of 16 query rows,
+split). A block's rows are the kv-head's query heads x queries (GQA packs the group: a K/V
+tile is read once for all of them); with Lq = 1 and 4 heads per kv-head that is 4 of an m16
+tile's rows, which costs tensor-core cycles the memory-bound kernel has to spare. A split
+owns a range of K/V tiles of `decode_block_n` keys, aligned to cache positions so that each
+16 keys lie in one page (pages are multiples of 16): one table lookup per 16 rows. Tiles
+stream through a ring of `decode_stages` shared-memory buffers, filled by all the CTA's
+threads (`cp.async`, rows past the sequence zero-filled, page numbers clamped to the cache);
+each warp takes an equal slice of a tile's keys, with its own online softmax (S and O on
+`mma.sync` as in cuda_forward.py), and the warps' rows are merged in shared memory at the
+end. Why several warps (measured on the H100, B=16 Hk=8 D=128 bf16, 64k keys): one-warp CTAs,
+3-4 an SM each on its own range of keys, read the cache at 2.90-2.92 TB/s; one CTA of four
+warps per (batch, kv-head), 128 keys a tile, at 2.98 (cuDNN's kernel, the same shape of CTA
+on a dense cache: 3.14). Each split writes its rows' O / l and lse (fp32) and
+`decode_combine` merges them by lse; a single split writes the outputs itself (no combine
+launch).
 
 Knobs (`DEFAULTS`):
-    decode_block_n     keys per K/V tile (a multiple of 16)
+    decode_block_n     keys per K/V tile (a multiple of 16 x decode_warps)
+    decode_warps       warps per CTA (1, 2, 4, 8), each on block_n / warps keys of a tile
     decode_stages      ring buffers (2 .. 4)
     decode_l2_prefetch L2 prefetch size of the K/V copies in bytes (0: none, 64, 128, 256)
 (and `decode_ctas_per_sm`, read by ops.decode_kv_cache: the automatic num_splits aims at about
@@ -38,7 +46,7 @@ from tvmflash.spec import AttentionSpec
 from .cuda_mma import (CP_ASYNC, LN2, PAD, copy_tile, load_a, load_b, load_b_trans, mma_16x16, mma_op, rescale_rows,
                        smem_scope, softmax_tile, to_a_fragments)
 
-DEFAULTS = {"decode_block_n": 32, "decode_stages": 3, "decode_l2_prefetch": 256}
+DEFAULTS = {"decode_block_n": 32, "decode_warps": 1, "decode_stages": 3, "decode_l2_prefetch": 256}
 
 
 def supports(spec: AttentionSpec) -> bool:
@@ -48,16 +56,54 @@ def supports(spec: AttentionSpec) -> bool:
             and not spec.flex and set(spec.variants) <= {"softcap", "alibi", "window"})
 
 
+@T.inline
+def merge_warps(o, m, l, alpha, stats, merged, warp, lane, W, ND):
+    """The online-softmax rows of W warps (each over its own keys) into warp 0's o, m, l: the
+    rows' maximum over the warps, then each warp's O rows scaled to it and added in turn to
+    `merged` (ROWS x D in shared memory)."""
+    for hh in T.unroll(2):
+        if lane % 4 == 0:
+            stats[warp, lane // 4 + hh * 8, 0] = m[hh]
+            stats[warp, lane // 4 + hh * 8, 1] = l[hh]
+    T.cuda.cta_sync()
+    for hh in T.unroll(2):
+        r = T.meta_var(lane // 4 + hh * 8)
+        alpha[hh] = m[hh]
+        for w in T.unroll(W):
+            alpha[hh] = T.max(alpha[hh], stats[w, r, 0])
+        m[hh] = alpha[hh]  # the rows' maximum, then this warp's factor exp2(m_warp - max)
+        l[hh] = T.float32(0)
+        for w in T.unroll(W):
+            l[hh] = l[hh] + stats[w, r, 1] * T.exp2(stats[w, r, 0] - m[hh])
+        alpha[hh] = T.exp2(stats[warp, r, 0] - m[hh])
+    for w in T.unroll(W):
+        if warp == w:
+            for dd in T.unroll(ND):
+                for i in T.unroll(4):
+                    r = T.meta_var(lane // 4 + i // 2 * 8)
+                    c = T.meta_var(dd * 8 + lane % 4 * 2 + i % 2)
+                    if w == 0:
+                        merged[r, c] = o[dd * 4 + i] * alpha[i // 2]
+                    else:
+                        merged[r, c] = merged[r, c] + o[dd * 4 + i] * alpha[i // 2]
+        T.cuda.cta_sync()
+    for dd in T.unroll(ND):
+        for i in T.unroll(4):
+            o[dd * 4 + i] = merged[lane // 4 + i // 2 * 8, dd * 8 + lane % 4 * 2 + i % 2]
+
+
 def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     D, dt = spec.head_dim, spec.dtype
-    BN, ST = knobs["decode_block_n"], knobs["decode_stages"]
+    BN, W, ST = knobs["decode_block_n"], knobs["decode_warps"], knobs["decode_stages"]
     COPY = CP_ASYNC + (f".L2::{knobs['decode_l2_prefetch']}B" if knobs["decode_l2_prefetch"] else "")
     if not supports(spec):
         raise ValueError(f"the CUDA decode kernel does not compute {spec}")
-    if BN % PAGE_ALIGN or not 16 <= BN <= 128 or ST not in (2, 3, 4):
-        raise ValueError(f"bad decode knobs: block_n {BN} (a multiple of 16 up to 128), stages {ST} (2 .. 4)")
+    if W not in (1, 2, 4, 8) or BN % (PAGE_ALIGN * W) or not 16 <= BN <= 256 or ST not in (2, 3, 4):
+        raise ValueError(f"bad decode knobs: block_n {BN} (a multiple of 16 x warps up to 256), warps {W} (1, 2, "
+                         f"4, 8), stages {ST} (2 .. 4)")
     MMA = mma_op(dt)
-    NS, ND = BN // 8, D // 8
+    BW = BN // W  # keys of a tile each warp takes
+    NS, ND = BW // 8, D // 8
     K_ROW, V_ROW = ROWS, ROWS + ST * BN
     SCOPE = smem_scope((ROWS + 2 * ST * BN) * (D + PAD) * 2)
 
@@ -68,12 +114,15 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     @T.prim_func
     def decode():
         T.func_attr({"tirx.noalias": True})
-        Q, K, V, cache, O, LSE, scale, score_all = T.meta_var(declare_decode_args(spec, shape, S))
+        Q, K, V, cache, O, LSE, O_FINAL, LSE_FINAL, scale, score_all = T.meta_var(
+            declare_decode_args(spec, shape, S, final=True))
         T.device_entry()
         G = T.meta_var(tirx.truncdiv(H, HK))
         NRB = T.meta_var((G * LQ + ROWS - 1) // ROWS)
         bx, by = T.cta_id([T.Cast("int32", NRB * S), T.Cast("int32", B * HK)])
-        lane = T.thread_id([32])
+        tid = T.thread_id([W * 32])
+        lane = T.meta_var(tid % 32)
+        warp = T.meta_var(tid // 32)
         b = T.meta_var(T.Cast("int64", by) // HK)
         hk = T.meta_var(T.Cast("int64", by) % HK)
         split = T.meta_var(T.Cast("int64", bx) % S)
@@ -92,6 +141,9 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         key = T.alloc_local([2], "int64")  # the sequence's first cache position, its key count
         where = T.alloc_local([BN // PAGE_ALIGN * 2], "int32")  # the next tile to fetch: (page, row) per page run
         tiles = T.alloc_local([2], "int64")  # this split's first tile and tile count
+        # the warps' rows merged at the end (W > 1): each warp's max and sum, the scaled O rows
+        stats = T.alloc_buffer((W, ROWS, 2), F32, scope="shared")
+        merged = T.alloc_buffer((ROWS, D) if W > 1 else (1, 1), F32, scope="shared")
         pw = p.view("uint32")
         key[0] = cache.start(b)
         key[1] = cache.count(b)
@@ -109,7 +161,8 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         tiles[0] = first + T.min(split * per_split, count)
         tiles[1] = T.min(per_split, count - T.min(split * per_split, count))
 
-        copy_tile(pool, 0, lambda r, c: Q.ptr_to([b, head(r), qi(r), c]), lambda r: r0 + r < G * LQ, ROWS, D, lane, 32)
+        copy_tile(pool, 0, lambda r, c: Q.ptr_to([b, head(r), qi(r), c]), lambda r: r0 + r < G * LQ, ROWS, D, tid,
+                  W * 32)
 
         @T.inline
         def look_up(j):
@@ -127,9 +180,9 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                 page, prow = T.meta_var((T.Cast("int64", where[u * 2]), T.Cast("int64", where[u * 2 + 1])))
                 inside = T.meta_var(lambda r: tirx.all(pos + r >= key[0], pos + r < key[0] + key[1]))
                 copy_tile(pool, K_ROW + j % ST * BN + u * PAGE_ALIGN, lambda r, c: K.ptr_to([page, prow + r, hk, c]),
-                          inside, PAGE_ALIGN, D, lane, 32, COPY)
+                          inside, PAGE_ALIGN, D, tid, W * 32, COPY)
                 copy_tile(pool, V_ROW + j % ST * BN + u * PAGE_ALIGN, lambda r, c: V.ptr_to([page, prow + r, hk, c]),
-                          inside, PAGE_ALIGN, D, lane, 32, COPY)
+                          inside, PAGE_ALIGN, D, tid, W * 32, COPY)
 
         for j in T.unroll(T.int64(ST - 1)):
             look_up(j)
@@ -154,37 +207,47 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             if j == 0:
                 for kk in T.unroll(D // 16):
                     load_a(qf, kk * 4, pool, 0, kk * 16, lane)
-            buf = T.meta_var(j % ST)
-            k0 = T.meta_var((tiles[0] + j) * BN)  # cache position of the tile's first key
+            row0 = T.meta_var(j % ST * BN + warp * BW)  # this warp's keys in the ring buffer
+            k0 = T.meta_var((tiles[0] + j) * BN + warp * BW)  # cache position of its first key
             for i in T.unroll(NS * 4):
                 s[i] = T.float32(0)
             for kk in T.unroll(D // 16):
-                for nn in T.unroll(BN // 16):
-                    load_b(kb, 0, pool, K_ROW + buf * BN + nn * 16, kk * 16, lane)
+                for nn in T.unroll(BW // 16):
+                    load_b(kb, 0, pool, K_ROW + row0 + nn * 16, kk * 16, lane)
                     mma_16x16(MMA, s, nn * 8, qf, kk * 4, kb, 0)
-            if score.tile_unmasked(T.int64(0), LQ, k0 - key[0], k0 + BN - key[0]):
+            if score.tile_unmasked(T.int64(0), LQ, k0 - key[0], k0 + BW - key[0]):
                 softmax_tile(s, m, l, mx, alpha, 1, NS, score, scale, index, k0, lane, False)
             else:
                 softmax_tile(s, m, l, mx, alpha, 1, NS, score, scale, index, k0, lane, True)
             to_a_fragments(s, p, NS * 4)
             rescale_rows(o, alpha, 1, ND)
-            for kk in T.unroll(BN // 16):
+            for kk in T.unroll(BW // 16):
                 for dd in T.unroll(D // 16):
-                    load_b_trans(vb, 0, pool, V_ROW + buf * BN + kk * 16, dd * 16, lane)
+                    load_b_trans(vb, 0, pool, V_ROW + row0 + kk * 16, dd * 16, lane)
                     mma_16x16(MMA, o, dd * 8, pw, kk * 4, vb, 0)
             T.cuda.cta_sync()  # the next iteration refills a buffer read here
-        # this split's O / l and lse; rows that saw no key: O = 0, lse = -inf
         for hh in T.unroll(2):
             l[hh] = T.cuda.warp_sum(l[hh], width=4)
+        if W > 1:
+            merge_warps(o, m, l, alpha, stats, merged, warp, lane, W, ND)
+        # this split's O / l and lse (a single split: the outputs); rows that saw no key: O = 0,
+        # lse = -inf
+        for hh in T.unroll(2):
             r = T.meta_var(lane // 4 + hh * 8)
-            if r0 + r < G * LQ:
+            if warp == 0 and r0 + r < G * LQ:
                 for dd in T.unroll(ND):
                     for e in T.unroll(2):
-                        O[b, head(r), split, qi(r), dd * 8 + lane % 4 * 2 + e] = T.Select(
-                            l[hh] == T.float32(0), T.float32(0), o[dd * 4 + hh * 2 + e] / l[hh])
+                        value = T.meta_var(T.Select(l[hh] == T.float32(0), T.float32(0), o[dd * 4 + hh * 2 + e] / l[hh]))
+                        if S == 1:
+                            O_FINAL[b, head(r), qi(r), dd * 8 + lane % 4 * 2 + e] = T.Cast(dt, value)
+                        else:
+                            O[b, head(r), split, qi(r), dd * 8 + lane % 4 * 2 + e] = value
                 if lane % 4 == 0:
-                    LSE[b, head(r), split, qi(r)] = T.Select(l[hh] == T.float32(0),
-                                                             NEG_INF, m[hh] * T.float32(LN2) + T.log(l[hh]))
+                    value = T.meta_var(T.Select(l[hh] == T.float32(0), NEG_INF, m[hh] * T.float32(LN2) + T.log(l[hh])))
+                    if S == 1:
+                        LSE_FINAL[b, head(r), qi(r)] = value
+                    else:
+                        LSE[b, head(r), split, qi(r)] = value
 
     return decode.with_attr("global_symbol", "decode")
 

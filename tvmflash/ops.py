@@ -284,10 +284,13 @@ def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scope = contextlib.nullcontext()  # a CPU, or torch's default stream, which is TVM's: no scope (5-20 us)
     else:
         scope = _on_stream(device)
+    outputs = (out.transpose(1, 2), lse)
     with scope:
-        decode(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, o_part, lse_part, scale,
-               *mod_args)
-        combine(o_part, lse_part, out.transpose(1, 2), lse)
+        # the CUDA kernel takes the outputs too: a single split writes them (no combine)
+        decode(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, o_part, lse_part,
+               *(outputs if cuda else ()), scale, *mod_args)
+        if not cuda or o_part.shape[2] > 1:
+            combine(o_part, lse_part, *outputs)
     return out, lse
 
 

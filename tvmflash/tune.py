@@ -42,7 +42,7 @@ TUNED_SPECS = {
     "avx512": [AttentionSpec(dt, d) for dt, d in itertools.product(("float32", "bfloat16"), (64, 128))],
     "decode": [AttentionSpec(dt, d, kv_cache=True) for dt, d in itertools.product(("float16", "bfloat16"), (64, 128))],
 }
-DECODE_CTAS_PER_SM = (2, 3, 4, 6, 8)
+DECODE_CTAS_PER_SM = ((2, 3, 4, 6, 8), (1, 2, 3))  # one-warp CTAs, CTAs of several warps
 DECODE_SEQLENS = (8192, 32768)  # B=16, H=32, Hk=8, one query, pages of 16 keys
 CPU_BLOCKS = [(64, 64), (64, 128), (128, 64), (128, 128), (32, 64), (64, 32), (32, 128), (256, 128)]  # (block_q, block_k)
 CPU_REGISTER_TILES = [(8, 2), (4, 4), (4, 2)]  # (rows, zmm vectors per row) of the FMA matmuls
@@ -62,10 +62,12 @@ def candidates(spec: AttentionSpec, phase: str = "forward", arch: str = "sm_90a"
     row_bytes = (spec.head_dim + 8) * 2
     out = []
     d = spec.head_dim
-    if phase == "decode":
-        return [{"decode_block_n": bn, "decode_stages": st, "decode_l2_prefetch": pf}
-                for bn, st, pf in itertools.product((16, 32, 64), (2, 3), (0, 256))
-                if (16 + 2 * st * bn) * row_bytes <= SMEM_LIMIT]
+    if phase == "decode":  # one-warp CTAs on small tiles, or CTAs of 2-4 warps on 64-128 keys
+        shapes = [(1, 16), (1, 32), (1, 64), (2, 64), (2, 128), (4, 64), (4, 128)]  # (warps, block_n)
+        merge_bytes = 16 * (d + 2) * 4  # the warps' rows merged in shared memory
+        return [{"decode_warps": w, "decode_block_n": bn, "decode_stages": st, "decode_l2_prefetch": 256}
+                for (w, bn), st in itertools.product(shapes, (2, 3))
+                if (16 + 2 * st * bn) * row_bytes + merge_bytes <= SMEM_LIMIT]
     if phase == "forward" and cuda_forward_wgmma.supports(spec, arch):
         for bn, wg in itertools.product((64, 128), (1, 2)):
             if (64 * wg + 4 * bn) * d * 2 <= SMEM_LIMIT:  # Q + two K and two V tiles
@@ -126,7 +128,8 @@ def grid(spec: AttentionSpec, phase: str, kind: str) -> list[dict]:
     if kind == "cuda":
         found = candidates(spec, phase)
         if phase == "decode":
-            found = [{**c, "decode_ctas_per_sm": n} for c in found for n in DECODE_CTAS_PER_SM]
+            found = [{**c, "decode_ctas_per_sm": n} for c in found
+                     for n in DECODE_CTAS_PER_SM[c["decode_warps"] > 1]]
         return found
     return cpu_candidates(spec, phase, kind)
 
@@ -398,9 +401,10 @@ def _time_decode(kern: dict, spec: AttentionSpec, per_sm: int, length: int) -> f
     out, lse = torch.empty_like(q), torch.empty(b, h, 1, device="cuda")
     starts = torch.zeros_like(seqlens)
 
-    def call():
-        kern["decode"](q, k, v, table, seqlens, starts, 0, o_part, lse_part, d ** -0.5)
-        kern["decode_combine"](o_part, lse_part, out, lse)
+    def call():  # as ops.decode_kv_cache
+        kern["decode"](q, k, v, table, seqlens, starts, 0, o_part, lse_part, out, lse, d ** -0.5)
+        if splits > 1:
+            kern["decode_combine"](o_part, lse_part, out, lse)
     call()
     return _cuda_ms(call)
 
