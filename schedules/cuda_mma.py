@@ -16,7 +16,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmflash.kernels.common import LOG2E, NEG_INF
-from tvmflash.kernels.score_mods import ScoreIndex
+from tvmflash.kernels.score_mods import ScoreIndex, with_kv_parts
 
 LN2 = math.log(2.0)
 PAD = 8  # elements of padding per shared-memory row
@@ -256,9 +256,11 @@ def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, ma
             for nt in T.unroll(ns):
                 for e in T.unroll(2):
                     idx = T.meta_var((mt * ns + nt) * 4 + hh * 2 + e)
-                    ix = T.meta_var(index(mt, hh, k0 + nt * 8 + lane % 4 * 2 + e))
-                    if masked or score.changes_values:
+                    ix = T.meta_var(with_kv_parts(index, mt, hh, base=k0 + lane % 4 * 2, offset=nt * 8 + e))
+                    if masked or (score.changes_values and not score.additive):
                         s[idx] = score(s[idx] * scale, ix, masked) * T.float32(LOG2E)
+                    elif score.changes_values:  # a bias: one multiply-add per score on top
+                        s[idx] = s[idx] * (scale * T.float32(LOG2E)) + score.bias(ix, T.float32(LOG2E))
                     else:
                         s[idx] = s[idx] * (scale * T.float32(LOG2E))
                     mx[0] = T.max(mx[0], s[idx])

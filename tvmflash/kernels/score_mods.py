@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import functools
 from dataclasses import dataclass, replace
 
 from tvm import tirx
@@ -42,13 +43,25 @@ class TileAt:
 class ScoreIndex:
     """Where a score sits: batch, query head, absolute query row and key row (int64 exprs).
     `row`: the query row's values that `ScorePipeline.row_values` asked for, where the kernel
-    loaded them once per row (into registers) instead of once per score."""
+    loaded them once per row (into registers) instead of once per score. `kv_parts`: kv_idx as
+    (a part shared by a tile's scores, a part the compiler unrolls to a constant), where the
+    kernel knows it (modifiers may convert the first once per tile, `with_kv_parts`)."""
 
     b: tirx.PrimExpr
     h: tirx.PrimExpr
     q_idx: tirx.PrimExpr
     kv_idx: tirx.PrimExpr
     row: tuple | None = None
+    kv_parts: tuple | None = None
+
+
+def with_kv_parts(index, *where, base, offset) -> ScoreIndex:
+    """index(*where, base + offset), the ScoreIndex of a kernel's score, with its key split into
+    `kv_parts` when the index keeps the key as given (not when it moves it into a sequence's
+    coordinates)."""
+    col = base + offset
+    ix = index(*where, col)
+    return replace(ix, kv_parts=(base, offset)) if ix.kv_idx is col else ix
 
 
 class ScoreMod:
@@ -59,6 +72,7 @@ class ScoreMod:
 
     is_mask = False
     unit_grad = True  # `grad` is the constant 1 (a backward needs no per-score factor)
+    additive = False  # apply(score) is score + bias(ix, shape, 1)
     arg_names: tuple = ()  # the kernel arguments `bind` declares, in order
 
     def bind(self, args: KernelArgs, shape: Shape) -> "ScoreMod":
@@ -193,6 +207,7 @@ class Alibi(ScoreMod):
     """ALiBi, flash-attn's semantics: score - slope[b, h] * |i + Lk - Lq - j| (the bias is not
     scaled). Slopes are an fp32 (B, H) argument (a (H,) tensor is passed with batch stride 0)."""
 
+    additive = True
     arg_names = ("alibi_slopes",)
 
     def bind(self, args, shape):
@@ -204,11 +219,25 @@ class _BoundAlibi(Alibi):
     slopes: tirx.Buffer
 
     def apply(self, score, ix, shape):
-        # the distance in fp32 from a row term and a column term (each converted once where the
-        # compiler hoists it; exact up to 2^24 positions), not an int64 difference per score
+        return score - self.slopes[ix.b, ix.h] * self._distance(ix, shape)
+
+    def bias(self, ix, shape, factor):
+        """-slope |distance| times `factor` (a constant: slope x factor is one product per
+        kernel, the bias one multiply per score)."""
+        return -(self.slopes[ix.b, ix.h] * factor) * self._distance(ix, shape)
+
+    @staticmethod
+    def _distance(ix, shape):
+        # in fp32 from a row term and a column term (each converted once where the compiler
+        # hoists it; exact up to 2^24 positions), not an int64 difference per score; with the
+        # key's parts, the row minus the tile's shared key part once per tile and the constant
+        # part a float immediate: no int -> float conversion per score (those run at the
+        # softmax exp2's quarter rate)
         row = tirx.Cast(F32, tirx.Cast("int32", ix.q_idx + shape.seqlen_k - shape.seqlen_q))
-        col = tirx.Cast(F32, tirx.Cast("int32", ix.kv_idx))
-        return score - self.slopes[ix.b, ix.h] * tirx.abs(row - col)
+        if ix.kv_parts is not None:
+            base, offset = ix.kv_parts
+            return tirx.abs((row - tirx.Cast(F32, tirx.Cast("int32", base))) - tirx.Cast(F32, offset))
+        return tirx.abs(row - tirx.Cast(F32, tirx.Cast("int32", ix.kv_idx)))
 
 
 @dataclass(frozen=True)
@@ -660,6 +689,17 @@ class ScorePipeline:
     def changes_values(self) -> bool:
         """Whether some modifier changes scores (not only masks them)."""
         return any(not m.is_mask for m in self.mods)
+
+    @property
+    def additive(self) -> bool:
+        """Whether the modifiers that change scores only add a bias (ALiBi), so that a tile
+        without masks may compute score x c + bias x c in one multiply-add (`bias`)."""
+        return self.seqs is None and all(m.is_mask or m.additive for m in self.mods)
+
+    def bias(self, ix: ScoreIndex, factor):
+        """The additive modifiers' bias of a score times the constant `factor`."""
+        terms = [m.bias(ix, self.shape, factor) for m in self.mods if not m.is_mask]
+        return functools.reduce(lambda a, b: a + b, terms)
 
     def tile_unmasked(self, q_lo, q_hi, kv_lo, kv_hi, at: TileAt | None = None, full=None):
         """An expression true when no pair of the tile [q_lo, q_hi) x [kv_lo, kv_hi) is
