@@ -44,6 +44,17 @@ def test_cuda_module_builds_with_cubin(spec, tmp_path):
     assert b"cubin" in data and b"__global__" not in data, "module carries CUDA source, not a binary"
 
 
+@needs_nvcc
+@pytest.mark.parametrize("warps,block_n", [(1, 32), (2, 64)])
+def test_cuda_decode_kernel_builds_for_other_warp_counts(warps, block_n):
+    """The decode kernel's warp counts the records do not pick (head dim 128 takes 4 warps on
+    the H100) still build: a retuned record may choose them."""
+    from tvmflash.build import build_module, cuda_target
+
+    spec = AttentionSpec("bfloat16", 128, kv_cache=True)
+    build_module(spec, cuda_target("sm_90a"), {"decode_warps": warps, "decode_block_n": block_n})
+
+
 @needs_compiler
 def test_hopper_kernels_run_on_wgmma_where_they_take_the_spec():
     from tvmflash.build import cuda_kernels

@@ -201,3 +201,16 @@ def test_kvcache_validation():
                                          rotary_cos=torch.ones(5, 4), rotary_sin=torch.zeros(5, 4))
     with pytest.raises(ValueError, match="num_splits"):
         tvmflash.flash_attn_with_kvcache(q, cache, cache.clone(), num_splits=-1)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("batch,lq", [(0, 1), (2, 0)])
+def test_kvcache_decode_without_rows(device, batch, lq):
+    """No batch entries or no queries: empty results, nothing launched (an empty CUDA grid
+    is an error)."""
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    q = torch.randn(batch, lq, 8, 64, device=device, dtype=dt)
+    k_cache, v_cache = (torch.randn(max(batch, 1), 32, 2, 64, device=device, dtype=dt) for _ in range(2))
+    out, lse = tvmflash.flash_attn_with_kvcache(q, k_cache[:batch], v_cache[:batch], cache_seqlens=20,
+                                                return_softmax_lse=True)
+    assert out.shape == (batch, lq, 8, 64) and lse.shape == (batch, 8, lq)

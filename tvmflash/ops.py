@@ -265,6 +265,10 @@ def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     B, H, Lq, D = q.shape
     device = q.device
     cuda = device.type == "cuda"
+    out = torch.empty((B, Lq, H, D), dtype=q.dtype, device=device)
+    lse = torch.empty((B, H, Lq), dtype=torch.float32, device=device)
+    if out.numel() == 0:  # no rows: nothing to launch (an empty CUDA grid is an error)
+        return out, lse
     # the raw handle of torch's current stream (torch.cuda.current_stream builds an object: 3 us)
     stream = torch._C._cuda_getCurrentRawStream(device.index) if cuda else threading.get_ident()
     capacity = block_table.shape[1] * k_cache.shape[1]  # keys of the longest possible sequence
@@ -277,8 +281,6 @@ def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         plan = _decode_plans[key] = _decode_plan(q, k_cache.shape[2], capacity, causal, window, softcap > 0,
                                                  alibi_slopes is not None, num_splits)
     spec, decode, combine, o_part, lse_part = plan
-    out = torch.empty((B, Lq, H, D), dtype=q.dtype, device=device)
-    lse = torch.empty((B, H, Lq), dtype=torch.float32, device=device)
     mod_args = _mod_args(spec, (B, H, Lq, capacity), None, window, softcap, alibi_slopes) if spec.variants else ()
     if not cuda or (stream == 0 and device.index == torch._C._cuda_getDevice()):
         scope = contextlib.nullcontext()  # a CPU, or torch's default stream, which is TVM's: no scope (5-20 us)
