@@ -20,9 +20,10 @@ each warp takes an equal slice of a tile's keys, with its own online softmax (S 
 end. Why several warps (measured on the H100, B=16 Hk=8 D=128 bf16, 64k keys): one-warp CTAs,
 3-4 an SM each on its own range of keys, read the cache at 2.90-2.92 TB/s; one CTA of four
 warps per (batch, kv-head), 128 keys a tile, at 2.98 (cuDNN's kernel, the same shape of CTA
-on a dense cache: 3.14). Each split writes its rows' O / l and lse (fp32) and
-`decode_combine` merges them by lse; a single split writes the outputs itself (no combine
-launch).
+on a dense cache: 3.14). Each split writes its rows' O / l and lse (fp32); the last split of
+a row block to finish (an atomic count per row block in `split_counters`, which it resets)
+merges them by lse (`merge_splits`), and a single split writes the outputs itself: one
+launch a call.
 
 Knobs (`DEFAULTS`):
     decode_block_n     keys per K/V tile (a multiple of 16 x decode_warps)
@@ -37,7 +38,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.kernels.common import F32, NEG_INF, KernelArgs, Shape
+from tvmflash.kernels.common import F32, NEG_INF, Shape
 from tvmflash.kernels.decode import PAGE_ALIGN, declare_decode_args
 from tvmflash.kernels.score_mods import ScoreIndex
 from tvmflash.spec import DECODE_ROWS as ROWS
@@ -92,6 +93,50 @@ def merge_warps(o, m, l, alpha, stats, merged, warp, lane, W, ND):
             o[dd * 4 + i] = merged[lane // 4 + i // 2 * 8, dd * 8 + lane % 4 * 2 + i % 2]
 
 
+@T.inline
+def merge_splits(O_PART, LSE_PART, O, LSE, b, head, qi, r0, rows, S, warp, lane, W, D, dt):
+    """O and lse of a row block's rows from its splits' partials: lse = log sum_s exp(lse_s),
+    O = sum_s exp(lse_s - lse) O_s; a row no split saw gets O = 0, lse = -inf (the running max
+    starts finite, so such splits weigh exp(-inf) = 0). A warp per row: its lanes reduce the
+    splits' lse, then add the splits' O rows along the head dim, four splits a step (their
+    loads in flight together: one split at a time waited on a load per split)."""
+    NC = T.meta_var((D + 31) // 32)  # head-dim columns a lane adds
+    top = T.alloc_local([2], F32)  # the row's largest lse, the sum of the splits' weights
+    weight = T.alloc_local([4], F32)
+    acc = T.alloc_local([NC], F32)
+    for rr in T.serial((ROWS + W - 1) // W):
+        r = T.meta_var(rr * W + warp)
+        if r < ROWS and r0 + r < rows:
+            top[0] = T.min_value(F32)
+            for kk in T.serial((S + 31) // 32):
+                if kk * 32 + lane < S:
+                    top[0] = T.max(top[0], LSE_PART[b, head(r), kk * 32 + lane, qi(r)])
+            top[0] = T.cuda.warp_max(top[0])
+            top[1] = T.float32(0)
+            for kk in T.serial((S + 31) // 32):
+                if kk * 32 + lane < S:
+                    top[1] = top[1] + T.exp(LSE_PART[b, head(r), kk * 32 + lane, qi(r)] - top[0])
+            top[1] = T.cuda.warp_sum(top[1])
+            for c in T.unroll(NC):
+                acc[c] = T.float32(0)
+            for k4 in T.serial((S + 3) // 4):
+                for u in T.unroll(4):
+                    weight[u] = T.float32(0)
+                    if k4 * 4 + u < S:
+                        weight[u] = T.exp(LSE_PART[b, head(r), k4 * 4 + u, qi(r)] - top[0])
+                for u in T.unroll(4):
+                    if k4 * 4 + u < S:
+                        for c in T.unroll(NC):
+                            if D % 32 == 0 or lane + c * 32 < D:
+                                acc[c] = acc[c] + weight[u] * O_PART[b, head(r), k4 * 4 + u, qi(r), lane + c * 32]
+            for c in T.unroll(NC):
+                if D % 32 == 0 or lane + c * 32 < D:
+                    O[b, head(r), qi(r), lane + c * 32] = T.Cast(
+                        dt, T.Select(top[1] == T.float32(0), T.float32(0), acc[c] / top[1]))
+            if lane == 0:
+                LSE[b, head(r), qi(r)] = T.Select(top[1] == T.float32(0), NEG_INF, top[0] + T.log(top[1]))
+
+
 def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     D, dt = spec.head_dim, spec.dtype
     BN, W, ST = knobs["decode_block_n"], knobs["decode_warps"], knobs["decode_stages"]
@@ -114,7 +159,7 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     @T.prim_func
     def decode():
         T.func_attr({"tirx.noalias": True})
-        Q, K, V, cache, O, LSE, O_FINAL, LSE_FINAL, scale, score_all = T.meta_var(
+        Q, K, V, cache, O, LSE, O_FINAL, LSE_FINAL, COUNTERS, scale, score_all = T.meta_var(
             declare_decode_args(spec, shape, S, final=True))
         T.device_entry()
         G = T.meta_var(tirx.truncdiv(H, HK))
@@ -144,6 +189,7 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         # the warps' rows merged at the end (W > 1): each warp's max and sum, the scaled O rows
         stats = T.alloc_buffer((W, ROWS, 2), F32, scope="shared")
         merged = T.alloc_buffer((ROWS, D) if W > 1 else (1, 1), F32, scope="shared")
+        ticket = T.alloc_buffer((1,), "int32", scope="shared")  # splits of this row block done before
         pw = p.view("uint32")
         key[0] = cache.start(b)
         key[1] = cache.count(b)
@@ -248,57 +294,19 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                         LSE_FINAL[b, head(r), qi(r)] = value
                     else:
                         LSE[b, head(r), split, qi(r)] = value
+        if S > 1:
+            # the row block's last split to finish merges the partials (no combine launch): its
+            # writes fenced before the count, the count observed before the reads
+            slot = T.meta_var(T.Cast("int64", by) * NRB + T.Cast("int64", bx) // S)
+            T.cuda.thread_fence()
+            T.cuda.cta_sync()
+            if tid == 0:
+                ticket[0] = T.cuda.atomic_add(COUNTERS.ptr_to([slot]), T.int32(1))
+            T.cuda.cta_sync()
+            if ticket[0] == T.Cast("int32", S) - 1:
+                T.cuda.thread_fence()
+                merge_splits(O, LSE, O_FINAL, LSE_FINAL, b, head, qi, r0, G * LQ, S, warp, lane, W, D, dt)
+                if tid == 0:
+                    COUNTERS[slot] = T.int32(0)  # ready for the next launch
 
     return decode.with_attr("global_symbol", "decode")
-
-
-def combine_kernel_cuda(spec: AttentionSpec) -> tirx.PrimFunc:
-    """O and lse from the splits' partials: lse = log sum_s exp(lse_s), O = sum_s exp(lse_s -
-    lse) O_s, one warp per query row (lanes along the head dim); a row no split saw gets O = 0,
-    lse = -inf."""
-    D, dt = spec.head_dim, spec.dtype
-    WARPS = 4
-    shape = Shape.fresh()
-    B, H, LQ = shape.batch, shape.heads, shape.seqlen_q
-    S = tirx.Var("splits", "int64")
-    args = KernelArgs()
-
-    def declare():
-        return (args.tensor("o_part", (B, H, S, LQ, D), F32), args.tensor("lse_part", (B, H, S, LQ), F32),
-                args.tensor("o", (B, H, LQ, D), dt), args.tensor("lse", (B, H, LQ), F32))
-
-    @T.prim_func
-    def combine():
-        T.func_attr({"tirx.noalias": True})
-        O_PART, LSE_PART, O, LSE = T.meta_var(declare())
-        T.device_entry()
-        bx = T.cta_id([T.Cast("int32", (B * H * LQ + WARPS - 1) // WARPS)])
-        tid = T.thread_id([WARPS * 32])
-        lane = T.meta_var(tid % 32)
-        rw = T.meta_var(T.Cast("int64", bx) * WARPS + tid // 32)
-        b, h, i = T.meta_var((rw // (H * LQ), rw // LQ % H, rw % LQ))
-        top = T.alloc_local([1], F32)
-        total = T.alloc_local([1], F32)
-        weight = T.alloc_local([1], F32)
-        acc = T.alloc_local([(D + 31) // 32], F32)
-        if rw < B * H * LQ:
-            top[0] = T.min_value(F32)
-            for k in T.serial(S):
-                top[0] = T.max(top[0], LSE_PART[b, h, k, i])
-            total[0] = T.float32(0)
-            for c in T.unroll((D + 31) // 32):
-                acc[c] = T.float32(0)
-            for k in T.serial(S):
-                weight[0] = T.exp(LSE_PART[b, h, k, i] - top[0])  # 0 for a split that saw no key
-                total[0] = total[0] + weight[0]
-                for c in T.unroll((D + 31) // 32):
-                    if D % 32 == 0 or lane + c * 32 < D:
-                        acc[c] = acc[c] + weight[0] * O_PART[b, h, k, i, lane + c * 32]
-            for c in T.unroll((D + 31) // 32):
-                if D % 32 == 0 or lane + c * 32 < D:
-                    O[b, h, i, lane + c * 32] = T.Cast(dt, T.Select(total[0] == T.float32(0), T.float32(0),
-                                                                    acc[c] / total[0]))
-            if lane == 0:
-                LSE[b, h, i] = T.Select(total[0] == T.float32(0), NEG_INF, top[0] + T.log(total[0]))
-
-    return combine.with_attr("global_symbol", "decode_combine")

@@ -42,7 +42,8 @@ CPU_OPTIONAL_KERNELS = ("forward_pack", "backward_pack", "forward_split", "forwa
                         "forward_split_combine", "decode_row")
 CUDA_KERNELS = ("forward", "backward_prep", "backward_dkdv_dq", "backward_dq_convert", "backward_dkdv",
                 "backward_dq")
-DECODE_KERNELS = ("decode", "decode_combine")  # a kv_cache spec's module (any target)
+DECODE_KERNELS = ("decode", "decode_combine")  # a kv_cache spec's CPU module
+CUDA_DECODE_KERNELS = ("decode",)  # on CUDA the kernel merges its splits itself
 
 _modules: dict = {}
 _lock = threading.Lock()
@@ -149,7 +150,7 @@ def cuda_target_for_device(index: int) -> dict:
 
 def kernels_of(spec: AttentionSpec, target: dict) -> tuple:
     if spec.kv_cache:
-        return DECODE_KERNELS
+        return CUDA_DECODE_KERNELS if target["kind"] == "cuda" else DECODE_KERNELS
     return CUDA_KERNELS if target["kind"] == "cuda" else CPU_KERNELS
 
 
@@ -235,8 +236,7 @@ def _cuda_kernels(spec: AttentionSpec, arch: str, knobs: dict) -> dict:
     from .schedules import cuda_backward, cuda_backward_wgmma, cuda_decode, cuda_forward, cuda_forward_wgmma
 
     if spec.kv_cache:
-        return {"decode": cuda_decode.decode_kernel_cuda(spec, knobs),
-                "decode_combine": cuda_decode.combine_kernel_cuda(spec)}
+        return {"decode": cuda_decode.decode_kernel_cuda(spec, knobs)}
     kernels = cuda_backward.backward_kernels_cuda(spec, knobs, arch)
     if knobs["forward_wgmma"] and cuda_forward_wgmma.supports(spec, arch, knobs):
         kernels["forward"] = cuda_forward_wgmma.forward_kernel_wgmma(spec, knobs)

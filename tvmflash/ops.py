@@ -228,9 +228,10 @@ def _sm_count(device: torch.device) -> int:
 
 def _decode_plan(q: torch.Tensor, heads_k: int, capacity: int, causal: bool, window: tuple, softcap: bool,
                  alibi: bool, num_splits: int) -> tuple:
-    """What a decode call's shape fixes: (spec, split kernel, combine kernel, o_part, lse_part).
-    The split partials are kept per device, stream and shape (CPU: per calling thread): calls
-    on one stream run in order, so reuse is safe."""
+    """What a decode call's shape fixes: (spec, split kernel, its scratch arguments, combine
+    kernel or None). The scratch (split partials; on CUDA also the counters with which the
+    kernel merges its splits, zero between launches) is kept per device, stream and shape
+    (CPU: per calling thread): calls on one stream run in order, so reuse is safe."""
     B, H, Lq, D = q.shape
     spec, per_sm = _decode_spec(q.dtype, D, causal, window, softcap, alibi)
     if q.is_cuda:
@@ -241,9 +242,12 @@ def _decode_plan(q: torch.Tensor, heads_k: int, capacity: int, causal: bool, win
     else:
         splits = _cpu_splits(B, H, heads_k, Lq, capacity, num_splits)
     kern = _kernels(spec, q.device)
-    o_part = torch.empty((B, H, splits, Lq, D), dtype=torch.float32, device=q.device)
-    lse_part = torch.empty((B, H, splits, Lq), dtype=torch.float32, device=q.device)
-    return spec, _split_kernel(kern, "decode", H // heads_k * Lq), kern["decode_combine"], o_part, lse_part
+    scratch = (torch.empty((B, H, splits, Lq, D), dtype=torch.float32, device=q.device),
+               torch.empty((B, H, splits, Lq), dtype=torch.float32, device=q.device))
+    if q.is_cuda:
+        row_blocks = B * heads_k * -(-(H // heads_k) * Lq // DECODE_ROWS)
+        return spec, kern["decode"], (*scratch, torch.zeros(row_blocks, dtype=torch.int32, device=q.device)), None
+    return spec, _split_kernel(kern, "decode", H // heads_k * Lq), scratch, kern["decode_combine"]
 
 
 _decode_plans: dict = {}
@@ -280,19 +284,19 @@ def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             _decode_plans.clear()
         plan = _decode_plans[key] = _decode_plan(q, k_cache.shape[2], capacity, causal, window, softcap > 0,
                                                  alibi_slopes is not None, num_splits)
-    spec, decode, combine, o_part, lse_part = plan
+    spec, decode, scratch, combine = plan
     mod_args = _mod_args(spec, (B, H, Lq, capacity), None, window, softcap, alibi_slopes) if spec.variants else ()
     if not cuda or (stream == 0 and device.index == torch._C._cuda_getDevice()):
         scope = contextlib.nullcontext()  # a CPU, or torch's default stream, which is TVM's: no scope (5-20 us)
     else:
         scope = _on_stream(device)
-    outputs = (out.transpose(1, 2), lse)
     with scope:
-        # the CUDA kernel takes the outputs too: a single split writes them (no combine)
-        decode(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, o_part, lse_part,
-               *(outputs if cuda else ()), scale, *mod_args)
-        if not cuda or o_part.shape[2] > 1:
-            combine(o_part, lse_part, *outputs)
+        if cuda:  # one launch: the kernel merges its splits (o_part, lse_part, counters) into out, lse
+            decode(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, scratch[0], scratch[1],
+                   out.transpose(1, 2), lse, scratch[2], scale, *mod_args)
+        else:
+            decode(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, *scratch, scale, *mod_args)
+            combine(*scratch, out.transpose(1, 2), lse)
     return out, lse
 
 

@@ -383,8 +383,9 @@ def time_to_fraction(history: list[dict], fraction: float = 0.95) -> dict:
 
 
 def _time_decode(kern: dict, spec: AttentionSpec, per_sm: int, length: int) -> float:
-    """Milliseconds per decode call (split-KV kernel + combine), B=16, H=32, Hk=8, one query,
-    `length` keys in shuffled pages of 16, at `per_sm` CTAs per SM (the automatic splits)."""
+    """Milliseconds per decode call (one launch: the kernel merges its splits), B=16, H=32,
+    Hk=8, one query, `length` keys in shuffled pages of 16, at `per_sm` CTAs per SM (the
+    automatic splits)."""
     import torch
 
     from . import ops
@@ -400,17 +401,16 @@ def _time_decode(kern: dict, spec: AttentionSpec, per_sm: int, length: int) -> f
     lse_part = torch.empty(b, h, splits, 1, device="cuda")
     out, lse = torch.empty_like(q), torch.empty(b, h, 1, device="cuda")
     starts = torch.zeros_like(seqlens)
+    counters = torch.zeros(b * hk, dtype=torch.int32, device="cuda")  # one row block per kv-head
 
     def call():  # as ops.decode_kv_cache
-        kern["decode"](q, k, v, table, seqlens, starts, 0, o_part, lse_part, out, lse, d ** -0.5)
-        if splits > 1:
-            kern["decode_combine"](o_part, lse_part, out, lse)
+        kern["decode"](q, k, v, table, seqlens, starts, 0, o_part, lse_part, out, lse, counters, d ** -0.5)
     call()
     return _cuda_ms(call)
 
 
 _PHASE_FUNCS = {"cuda": ("forward", "backward_prep", "backward_dkdv_dq", "backward_dq_convert", "backward_dkdv",
-                         "backward_dq", "decode", "decode_combine"),
+                         "backward_dq", "decode"),
                 "cpu": tuple(dict.fromkeys(sum(CPU_PHASE_KERNELS.values(), ())))}
 
 

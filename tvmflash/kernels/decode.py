@@ -79,9 +79,11 @@ def declare_decode_args(spec: AttentionSpec, shape: Shape, splits: tirx.Var, fin
     """A kv_cache spec's decode arguments, in call order: q (B, H, Lq, D); k_cache, v_cache
     (num_pages, page_size, Hk, D); block_table (B, max_pages); cache_seqlens, cache_leftpad
     (B,) int32; new_keys (int64); o_part (B, H, splits, Lq, D) and lse_part (B, H, splits, Lq)
-    fp32; with `final`, o (B, H, Lq, D) and lse (B, H, Lq), which a single split writes
-    directly; scale; then the score modifiers' arguments. Returns (q, k, v, CacheArgs, o_part,
-    lse_part, scale, the bound ScorePipeline), with `final` (o, lse) after lse_part."""
+    fp32; with `final`, o (B, H, Lq, D), lse (B, H, Lq) and split_counters (one int32 per
+    (batch, kv-head, row block), zero between launches), with which the kernel merges its
+    splits itself; scale; then the score modifiers' arguments. Returns (q, k, v, CacheArgs,
+    o_part, lse_part, scale, the bound ScorePipeline), with `final` (o, lse, split_counters)
+    after lse_part."""
     B, H, HK, LQ = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q
     NP, PG, MP = (tirx.Var(n, "int64") for n in ("num_pages", "page_size", "max_pages"))
     D, dt = spec.head_dim, spec.dtype
@@ -95,7 +97,8 @@ def declare_decode_args(spec: AttentionSpec, shape: Shape, splits: tirx.Var, fin
     cache = CacheArgs(table, seqlens, leftpad, args.scalar("new_keys", "int64"), NP, PG)
     o = args.tensor("o_part", (B, H, splits, LQ, D), F32)
     lse = args.tensor("lse_part", (B, H, splits, LQ), F32)
-    outputs = (args.tensor("o", (B, H, LQ, D), dt), args.tensor("lse", (B, H, LQ), F32)) if final else ()
+    outputs = (args.tensor("o", (B, H, LQ, D), dt), args.tensor("lse", (B, H, LQ), F32),
+               args.tensor("split_counters", (tirx.Var("counters", "int64"),), "int32")) if final else ()
     scale = args.scalar("scale")
     return (q, k, v, cache, o, lse, *outputs, scale, ScorePipeline(spec.modifiers(), args, shape))
 
