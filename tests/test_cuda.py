@@ -446,7 +446,8 @@ def test_cuda_varlen(dtype, d, causal, window, alibi, dropout_p, lengths_q, leng
 
 
 # flash_attn_with_kvcache reading the cache in place: (dtype, head dim, (heads, kv heads), softcap, alibi)
-CUDA_KVCACHE = [(torch.bfloat16, 128, (8, 2), 0.0, False), (torch.float16, 64, (4, 4), 30.0, True)]
+CUDA_KVCACHE = [(torch.bfloat16, 128, (8, 2), 0.0, False), (torch.float16, 64, (4, 4), 30.0, True),
+                (torch.float16, 128, (6, 1), 0.0, False)]  # fp16 d128: the record with the most shared memory
 
 
 def cuda_kvcache_specs() -> list:
