@@ -234,10 +234,10 @@ def _decode_plan(q: torch.Tensor, heads_k: int, capacity: int, causal: bool, win
     (CPU: per calling thread): calls on one stream run in order, so reuse is safe."""
     B, H, Lq, D = q.shape
     spec, per_sm = _decode_spec(q.dtype, D, causal, window, softcap, alibi)
+    row_blocks = B * heads_k * -(-(H // heads_k) * Lq // DECODE_ROWS)  # CUDA: a split's CTAs
     if q.is_cuda:
-        if num_splits <= 0:  # waves of decode_ctas_per_sm CTAs (one warp each) per SM, the last one full
-            ctas = B * heads_k * -(-(H // heads_k) * Lq // DECODE_ROWS)
-            num_splits = max(1, per_sm * _sm_count(q.device) // ctas)
+        if num_splits <= 0:  # waves of decode_ctas_per_sm CTAs per SM, the last one full
+            num_splits = max(1, per_sm * _sm_count(q.device) // row_blocks)
         splits = max(1, min(num_splits, -(-capacity // 16), 256))  # a split has a 16-key tile at least
     else:
         splits = _cpu_splits(B, H, heads_k, Lq, capacity, num_splits)
@@ -245,7 +245,6 @@ def _decode_plan(q: torch.Tensor, heads_k: int, capacity: int, causal: bool, win
     scratch = (torch.empty((B, H, splits, Lq, D), dtype=torch.float32, device=q.device),
                torch.empty((B, H, splits, Lq), dtype=torch.float32, device=q.device))
     if q.is_cuda:
-        row_blocks = B * heads_k * -(-(H // heads_k) * Lq // DECODE_ROWS)
         return spec, kern["decode"], (*scratch, torch.zeros(row_blocks, dtype=torch.int32, device=q.device)), None
     return spec, _split_kernel(kern, "decode", H // heads_k * Lq), scratch, kern["decode_combine"]
 
