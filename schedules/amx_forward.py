@@ -142,8 +142,10 @@ def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int) -> tirx.PrimFunc:
     return pack.with_attr("global_symbol", "forward_pack")
 
 
-def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: int) -> tirx.PrimFunc:
-    """`kv_pad`: the packed K / V^T length is a multiple of it (block_k must divide it)."""
+def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: int,
+                       name: str = "forward") -> tirx.PrimFunc:
+    """`kv_pad`: the packed K / V^T length is a multiple of it (block_k must divide it); `name`
+    the module function."""
     assert amx_supported(spec) and block_q % 32 == 0 and block_k % 32 == 0 and kv_pad % block_k == 0
     D, BQ, BK = spec.head_dim, block_q, block_k
     shape = Shape.fresh()
@@ -293,4 +295,4 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         O[vb, vh, q0 + vi, vd] = T.Cast(
                             BF16, T.Select(l[vi] == T.float32(0), T.float32(0), accT[vd, vi] / l[vi]))
 
-    return fwd.with_attr("global_symbol", "forward")
+    return fwd.with_attr("global_symbol", name)

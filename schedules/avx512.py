@@ -9,6 +9,7 @@ vector length, the extra AMX-side blocks and the knob defaults differ. Knobs (na
 `host.py`, values for a spec tuned into `tuning_logs/avx512/`):
 
     block_q, block_k           forward generator parameters (AMX: multiples of 32 dividing AMX_KV_PAD)
+    long_block_q               the AMX forward's block_q for long keys (`forward_long`, see AMX_LONG_KV_BYTES)
     bwd_block_q, bwd_block_k   the backward's
     <kernel>.<matmul>.rows     register-tile rows of each FMA matmul block
     <kernel>.<matmul>.vecs     zmm vectors per register-tile row
@@ -21,10 +22,15 @@ from .cpu_rules import swap_and_vectorize, vectorize_inner
 VL = 16
 AMX_CPUS = ("sapphirerapids", "emeraldrapids", "graniterapids", "diamondrapids")
 AMX_KV_PAD = 128  # packed K / V^T rows per (batch, kv-head) are a multiple of this
+# A kv-head's K and V^T packs of at least this many bytes do not stay in a core's L2 (2 MB on
+# SPR) next to a task's tiles, so each q-block streams them from L3 again: those calls run
+# `forward_long`, whose q-blocks of `long_block_q` rows read them a quarter as often. (Xeon,
+# bf16 L=4096 D=128: 35 ms with 256-row q-blocks, 43 with 64; at L=1024 64 rows are 8% faster.)
+AMX_LONG_KV_BYTES = 1 << 20
 
 # 32 zmm registers: register tiles of up to 8 x 2 (or 4 x 4) accumulators
 DEFAULTS = {
-    "block_q": 64, "block_k": 64, "bwd_block_q": 64, "bwd_block_k": 64,
+    "block_q": 64, "block_k": 64, "long_block_q": 256, "bwd_block_q": 64, "bwd_block_k": 64,
     **{f"{k}.{m}.rows": 8 for k, m in (("forward", "qk"), ("forward", "pv"), ("backward_dq", "qk"),
                                       ("backward_dq", "dp"), ("backward_dq", "dq"))},
     **{f"{k}.{m}.rows": 8 for k in ("backward_dkdv", "backward_fused") for m in ("qk", "dp", "dv", "dk", "dq")},
@@ -54,6 +60,9 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
     funcs = host.kernels(spec, target, knobs)
     if has_amx(target) and amx_supported(spec) and not spec.kv_cache:
         funcs["forward"] = forward_amx_kernel(spec, knobs["block_q"], knobs["block_k"], AMX_KV_PAD)
+        if knobs["long_block_q"] != knobs["block_q"]:
+            funcs["forward_long"] = forward_amx_kernel(spec, knobs["long_block_q"], knobs["block_k"], AMX_KV_PAD,
+                                                       "forward_long")
         funcs["forward_pack"] = forward_amx_pack_kernel(spec, AMX_KV_PAD)
         for plan in ("fused", "dkdv", "dq"):
             funcs[f"backward_{plan}"] = backward_amx_kernel(spec, knobs["bwd_block_q"], knobs["bwd_block_k"], plan)

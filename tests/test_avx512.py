@@ -37,11 +37,12 @@ def spr_asm(spec: AttentionSpec) -> dict:
 
 def test_asm_bf16_forward_runs_on_amx_tiles():
     asm = spr_asm(AttentionSpec("bfloat16", 64, causal="bottom_right"))
-    fwd = asm["forward"]
-    assert "ldtilecfg" in fwd and "tilerelease" in fwd
-    assert fwd.count("tdpbf16ps") >= 8 and fwd.count("tileloadd") >= 8 and "tilestored" in fwd
-    assert "zmm" in fwd and "vfmadd" in fwd  # softmax (fast exp) on AVX512
-    assert "expf" not in fwd  # fast exp, no libm calls
+    for name in ("forward", "forward_long"):  # q-blocks for short and for long keys
+        fwd = asm[name]
+        assert "ldtilecfg" in fwd and "tilerelease" in fwd
+        assert fwd.count("tdpbf16ps") >= 8 and fwd.count("tileloadd") >= 8 and "tilestored" in fwd
+        assert "zmm" in fwd and "vfmadd" in fwd  # softmax (fast exp) on AVX512
+        assert "expf" not in fwd  # fast exp, no libm calls
 
 
 def test_asm_bf16_backward_runs_on_amx_tiles():
@@ -132,7 +133,21 @@ def test_amx_path_is_taken():
 
     assert build.cpu_target() == build.AVX512_TARGET
     kernels = _kernels(AttentionSpec("bfloat16", 64), torch.device("cpu"))
-    assert "forward_pack" in kernels and "backward_pack" in kernels
+    assert "forward_pack" in kernels and "backward_pack" in kernels and "forward_long" in kernels
+
+
+@needs_amx
+def test_amx_forward_for_long_keys():
+    """Keys whose K and V^T packs pass AMX_LONG_KV_BYTES run `forward_long` (q-blocks of
+    long_block_q rows): GQA, causal with Lq != Lk, a partial last q-block and kv block."""
+    from tvmflash import ops
+    from tvmflash.schedules.avx512 import AMX_LONG_KV_BYTES
+
+    q, k, v, dout = make(1, 4, 2, 300, 2100, 128, torch.bfloat16)
+    kernels = ops._kernels(AttentionSpec("bfloat16", 128, causal="bottom_right"), torch.device("cpu"))
+    assert 2 * 2176 * 128 * 2 >= AMX_LONG_KV_BYTES and ops._forward_kernel_name(kernels, k) == "forward_long"
+    assert ops._forward_kernel_name(kernels, k[:, :, :1000]) == "forward"
+    check_against_reference(q, k, v, dout, flash_run(True), causal="bottom_right")
 
 
 @needs_amx

@@ -45,6 +45,10 @@ def test_cpu_candidates_are_block_sizes_and_register_tiles():
     amx = tune.cpu_candidates(AttentionSpec("bfloat16", 128), "backward")
     assert [sorted(c) for c in amx] == [["bwd_block_k", "bwd_block_q"]] * len(tune.CPU_BLOCKS)
     assert all(c["bwd_block_q"] % 32 == 0 and c["bwd_block_k"] % 32 == 0 for c in amx)
+    # the AMX forward also picks the q-blocks of its long-key kernel
+    amx_fwd = tune.cpu_candidates(AttentionSpec("bfloat16", 128), "forward")
+    assert len(amx_fwd) == len(tune.CPU_BLOCKS) * len(tune.AMX_LONG_BLOCK_Q)
+    assert {c["long_block_q"] for c in amx_fwd} == set(tune.AMX_LONG_BLOCK_Q)
 
 
 def test_cpu_specs_without_a_record_take_the_plain_specs():

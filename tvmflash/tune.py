@@ -46,6 +46,7 @@ DECODE_CTAS_PER_SM = ((2, 3, 4, 6, 8), (1, 2, 3))  # one-warp CTAs, CTAs of seve
 DECODE_SEQLENS = (8192, 32768)  # B=16, H=32, Hk=8, one query, pages of 16 keys
 CPU_BLOCKS = [(64, 64), (64, 128), (128, 64), (128, 128), (32, 64), (64, 32), (32, 128), (256, 128)]  # (block_q, block_k)
 CPU_REGISTER_TILES = [(8, 2), (4, 4), (4, 2)]  # (rows, zmm vectors per row) of the FMA matmuls
+AMX_LONG_BLOCK_Q = (128, 256)  # the AMX forward's q-blocks for long keys (timed at SEQLENS[1])
 CPU_PHASE_KERNELS = {"forward": ("forward", "forward_pack"),
                      "backward": ("backward_delta", "backward_fused", "backward_dkdv", "backward_dq", "backward_pack")}
 CPU_MATMULS = {"forward": {"forward": ("qk", "pv")},
@@ -99,10 +100,14 @@ def cpu_candidates(spec: AttentionSpec, phase: str = "forward", kind: str = "avx
     from .schedules.amx_forward import amx_supported
 
     prefix = "" if phase == "forward" else "bwd_"
-    tiles = [None] if kind == "avx512" and amx_supported(spec) else CPU_REGISTER_TILES
+    amx = kind == "avx512" and amx_supported(spec)
+    tiles = [None] if amx else CPU_REGISTER_TILES
+    long_blocks = AMX_LONG_BLOCK_Q if amx and phase == "forward" else [None]
     out = []
-    for (bq, bk), tile in itertools.product(CPU_BLOCKS, tiles):
+    for (bq, bk), tile, long_bq in itertools.product(CPU_BLOCKS, tiles, long_blocks):
         knobs = {f"{prefix}block_q": bq, f"{prefix}block_k": bk}
+        if long_bq:
+            knobs["long_block_q"] = long_bq
         if tile:
             for kernel, matmuls in CPU_MATMULS[phase].items():
                 for m in matmuls:
@@ -485,7 +490,7 @@ def _time_one_cpu(kern: dict, spec: AttentionSpec, seqlen: int, backward: bool, 
     import torch
 
     from .cpu import request_amx
-    from .ops import _amx_packs, _backward_cpu
+    from .ops import _amx_packs, _backward_cpu, _forward_kernel_name
 
     request_amx()  # before the first AMX kernel of the process
 
@@ -501,7 +506,7 @@ def _time_one_cpu(kern: dict, spec: AttentionSpec, seqlen: int, backward: bool, 
         if backward:
             _backward_cpu(kern, do, q, k, v, o, lse, None, args, scale, dq, dk, dv)
         else:
-            kern["forward"](q, k, v, o, lse, scale, *args, *_amx_packs(kern, k, v))
+            kern[_forward_kernel_name(kern, k)](q, k, v, o, lse, scale, *args, *_amx_packs(kern, k, v))
 
     start = clock.perf_counter()
     call()
