@@ -114,8 +114,15 @@ def tile_gemm(c_at, c_ld, a_at, a_ld, b_at, b_ld, m, n, k, accumulate):
 
     x_at(row, col) is the address of element (row, col) of operand x in its own units (C: fp32,
     A: bf16, B: pairs, so B's rows are k/2); x_ld its row stride in bytes. `accumulate` loads C
-    first, else starts from zero."""
-    for mb, nb in T.grid(m // BLOCK, n // BLOCK):
+    first, else starts from zero.
+
+    The C blocks are visited so that the smaller operand is the one walked again for every
+    block of the outer loop (the other stays in L1 for the inner one): A (m x k) when m < n,
+    else B (k x n). With 256 queries a block, Q^T and P^T (64 KB) would otherwise be re-read
+    from L2 for each 32 keys or head dims."""
+    for outer, inner in T.grid((n if m < n else m) // BLOCK, (m if m < n else n) // BLOCK):
+        mb = T.meta_var(inner if m < n else outer)
+        nb = T.meta_var(outer if m < n else inner)
         for c in T.unroll(4):
             if accumulate:
                 T.evaluate(amx("tileloadd64", tmm(c), c_at(mb * BLOCK + c // 2 * TILE, nb * BLOCK + c % 2 * TILE),
