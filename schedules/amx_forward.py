@@ -62,6 +62,8 @@ def rewritten_tile(score: ScorePipeline, has_mods: bool, whole):
     return tirx.Not(whole)
 
 
+ROW_PAD = 16  # 4-byte words: rows of BQ words (a power of two of bytes) apart would put a tile's 16
+# rows into 2-4 of the L1's 64 sets at BQ >= 128; 64 bytes more spread them over 16
 GROW = 8.0  # log2 units: the running max moves only when a block's max passes it by more, so
 # most steps skip the rescale; probabilities stay below 2^8 (exact in fp32 and in bf16's range)
 
@@ -148,6 +150,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
     the module function."""
     assert amx_supported(spec) and block_q % 32 == 0 and block_k % 32 == 0 and kv_pad % block_k == 0
     D, BQ, BK = spec.head_dim, block_q, block_k
+    ROW = BQ + ROW_PAD  # row length of the tile operands built here (qp, sT, pp, accT)
     shape = Shape.fresh()
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
     LKP = tirx.Var("seqlen_k_padded", "int64")
@@ -173,10 +176,12 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                 vh = T.axis.spatial(H, t // NQB % H)
                 vqb = T.axis.spatial(NQB, t % NQB)
                 cfg = T.sblock_alloc_buffer((64,), "uint8")
-                qp = T.sblock_alloc_buffer((D // 2, BQ), PAIR)
+                qp = T.sblock_alloc_buffer((D // 2, ROW), PAIR)
                 m = T.sblock_alloc_buffer((BQ,), F32)  # running max, log2 units
                 l = T.sblock_alloc_buffer((BQ,), F32)
-                accT = T.sblock_alloc_buffer((D, BQ), F32)
+                accT = T.sblock_alloc_buffer((D, ROW), F32)
+                sT = T.sblock_alloc_buffer((BK, ROW), F32)  # a kv block's S^T (modified in place)
+                pp = T.sblock_alloc_buffer((BK // 2, ROW), PAIR)
                 vhk = T.meta_var(vh // (H // HK))
                 q0 = T.meta_var(vqb * BQ)
                 kb_lo, kb_hi = T.meta_var(score.kv_blocks(q0, T.min(q0 + BQ, LQ), BK))
@@ -196,11 +201,18 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                     with T.sblock("init_acc"):
                         vd, vi = T.axis.remap("SS", [d, i])
                         accT[vd, vi] = T.float32(0)
+                # the row padding, written once so that buffer compaction (which keeps what is
+                # accessed; the tile instructions only name each tile's first element) keeps it
+                for r, i in T.grid(D, ROW_PAD):
+                    with T.sblock("touch_padding"):
+                        vr, vi = T.axis.remap("SS", [r, i])
+                        accT[vr, BQ + vi] = T.float32(0)
+                        sT[vr % BK, BQ + vi] = T.float32(0)
+                        qp[vr % (D // 2), BQ + vi] = T.uint32(0)
+                        pp[vr % (BK // 2), BQ + vi] = T.uint32(0)
                 for kb in T.serial(kb_lo, kb_hi):
                     with T.sblock("kv_step"):
                         vkb = T.axis.opaque((LK + BK - 1) // BK, kb)
-                        sT = T.sblock_alloc_buffer((BK, BQ), F32)
-                        pp = T.sblock_alloc_buffer((BK // 2, BQ), PAIR)
                         tmax = T.sblock_alloc_buffer((BQ,), F32)
                         alpha = T.sblock_alloc_buffer((BQ,), F32)
                         ls = T.sblock_alloc_buffer((BQ,), F32)
@@ -209,9 +221,9 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         with T.sblock("qk_amx"):  # S^T = K rows . Q^T
                             T.reads(KP[vb, vhk, k0:k0 + BK, 0:D], qp[0:D // 2, 0:BQ], cfg[0:64])
                             T.writes(sT[0:BK, 0:BQ])
-                            tile_gemm(lambda r, c: T.address_of(sT[r, c]), BQ * 4,
+                            tile_gemm(lambda r, c: T.address_of(sT[r, c]), ROW * 4,
                                       lambda r, c: T.address_of(KP[vb, vhk, k0 + r, c]), kp_row,
-                                      lambda r, c: T.address_of(qp[r, c]), BQ * 4, BK, BQ, D, False)
+                                      lambda r, c: T.address_of(qp[r, c]), ROW * 4, BK, BQ, D, False)
                         whole = T.meta_var(score.tile_unmasked(q0, q0 + BQ, k0, k0 + BK))
                         if has_mods:  # modified scores in place (vectorised here, not by a rule)
                             if not whole:  # -inf where masked or past Lk
@@ -278,9 +290,9 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         with T.sblock("pv_amx"):  # O^T += V^T . P^T
                             T.reads(VT[vb, vhk, 0:D, k0:k0 + BK], pp[0:BK // 2, 0:BQ], accT[0:D, 0:BQ], cfg[0:64])
                             T.writes(accT[0:D, 0:BQ])
-                            tile_gemm(lambda r, c: T.address_of(accT[r, c]), BQ * 4,
+                            tile_gemm(lambda r, c: T.address_of(accT[r, c]), ROW * 4,
                                       lambda r, c: T.address_of(VT[vb, vhk, r, k0 + c]), vt_row,
-                                      lambda r, c: T.address_of(pp[r, c]), BQ * 4, D, BQ, BK, True)
+                                      lambda r, c: T.address_of(pp[r, c]), ROW * 4, D, BQ, BK, True)
                 release_tiles()
                 for i in T.serial(BQ):
                     with T.sblock("store_lse"):
