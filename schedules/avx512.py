@@ -27,6 +27,8 @@ AMX_KV_PAD = 128  # packed K / V^T rows per (batch, kv-head) are a multiple of t
 # `forward_long`, whose q-blocks of `long_block_q` rows read them a quarter as often. (Xeon,
 # bf16 L=4096 D=128: 35 ms with 256-row q-blocks, 43 with 64; at L=1024 64 rows are 8% faster.)
 AMX_LONG_KV_BYTES = 1 << 20
+AMX_LONG_MIN_QUERIES = 256  # fewer queries (chunked prefill on a long cache) would mostly fill
+# `forward_long`'s q-blocks with padding rows, whose tile work costs as much as real ones
 
 # 32 zmm registers: register tiles of up to 8 x 2 (or 4 x 4) accumulators
 DEFAULTS = {

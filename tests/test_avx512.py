@@ -139,14 +139,17 @@ def test_amx_path_is_taken():
 @needs_amx
 def test_amx_forward_for_long_keys():
     """Keys whose K and V^T packs pass AMX_LONG_KV_BYTES run `forward_long` (q-blocks of
-    long_block_q rows): GQA, causal with Lq != Lk, a partial last q-block and kv block."""
+    long_block_q rows) when there are AMX_LONG_MIN_QUERIES queries: GQA, causal with Lq != Lk,
+    a partial last q-block and kv block."""
     from tvmflash import ops
-    from tvmflash.schedules.avx512 import AMX_LONG_KV_BYTES
+    from tvmflash.schedules.avx512 import AMX_LONG_KV_BYTES, AMX_LONG_MIN_QUERIES
 
     q, k, v, dout = make(1, 4, 2, 300, 2100, 128, torch.bfloat16)
     kernels = ops._kernels(AttentionSpec("bfloat16", 128, causal="bottom_right"), torch.device("cpu"))
-    assert 2 * 2176 * 128 * 2 >= AMX_LONG_KV_BYTES and ops._forward_kernel_name(kernels, k) == "forward_long"
-    assert ops._forward_kernel_name(kernels, k[:, :, :1000]) == "forward"
+    assert 2 * 2176 * 128 * 2 >= AMX_LONG_KV_BYTES and q.shape[2] >= AMX_LONG_MIN_QUERIES
+    assert ops._forward_kernel_name(kernels, q, k) == "forward_long"
+    assert ops._forward_kernel_name(kernels, q, k[:, :, :1000]) == "forward"  # short keys
+    assert ops._forward_kernel_name(kernels, q[:, :, :40], k) == "forward"  # few queries
     check_against_reference(q, k, v, dout, flash_run(True), causal="bottom_right")
 
 

@@ -189,19 +189,20 @@ def _forward(q, k, v, mask, scale, causal, window=(-1, -1), softcap=0.0, alibi_s
         _forward_split(kern, q, k, v, out, lse, scale, mod_args)
         return out, lse
     with _on_stream(q.device):
-        kern[_forward_kernel_name(kern, k)](q, k, v, out, lse, scale, *mod_args, *_amx_packs(kern, k, v))
+        kern[_forward_kernel_name(kern, q, k)](q, k, v, out, lse, scale, *mod_args, *_amx_packs(kern, k, v))
     return out, lse
 
 
-def _forward_kernel_name(kern: dict, k: torch.Tensor) -> str:
-    """"forward_long" (AMX: larger q-blocks) where a kv-head's packed K and V^T outgrow a core's
-    L2, else "forward"."""
+def _forward_kernel_name(kern: dict, q: torch.Tensor, k: torch.Tensor) -> str:
+    """"forward_long" (AMX: taller q-blocks) where a kv-head's packed K and V^T outgrow a core's
+    L2 and there are queries enough to fill its q-blocks, else "forward"."""
     if "forward_long" not in kern:
         return "forward"
-    from .schedules.avx512 import AMX_KV_PAD, AMX_LONG_KV_BYTES
+    from .schedules.avx512 import AMX_KV_PAD, AMX_LONG_KV_BYTES, AMX_LONG_MIN_QUERIES
 
     padded_keys = -(-k.shape[2] // AMX_KV_PAD) * AMX_KV_PAD
-    return "forward_long" if 2 * padded_keys * k.shape[3] * k.element_size() >= AMX_LONG_KV_BYTES else "forward"
+    long_keys = 2 * padded_keys * k.shape[3] * k.element_size() >= AMX_LONG_KV_BYTES
+    return "forward_long" if long_keys and q.shape[2] >= AMX_LONG_MIN_QUERIES else "forward"
 
 
 def _forward_split(kern: dict, q, k, v, out, lse, scale, mod_args) -> None:

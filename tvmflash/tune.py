@@ -506,7 +506,7 @@ def _time_one_cpu(kern: dict, spec: AttentionSpec, seqlen: int, backward: bool, 
         if backward:
             _backward_cpu(kern, do, q, k, v, o, lse, None, args, scale, dq, dk, dv)
         else:
-            kern[_forward_kernel_name(kern, k)](q, k, v, o, lse, scale, *args, *_amx_packs(kern, k, v))
+            kern[_forward_kernel_name(kern, q, k)](q, k, v, o, lse, scale, *args, *_amx_packs(kern, k, v))
 
     start = clock.perf_counter()
     call()
