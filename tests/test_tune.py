@@ -51,6 +51,20 @@ def test_cpu_candidates_are_block_sizes_and_register_tiles():
     assert {c["long_block_q"] for c in amx_fwd} == set(tune.AMX_LONG_BLOCK_Q)
 
 
+def test_cpu_phases_cover_every_kernel_of_an_amx_module():
+    """A tuning candidate is built with its phase's kernels only (CPU_PHASE_KERNELS): every
+    kernel the AVX512/AMX schedule generates must belong to a phase, or its knobs (e.g.
+    long_block_q of `forward_long`) would be tuned without the kernel they shape."""
+    from tvmflash.build import AVX512_TARGET
+    from tvmflash.schedules import avx512
+
+    knobs = {**avx512.DEFAULTS, "block_q": 64, "long_block_q": 256}
+    names = set(avx512.kernels(AttentionSpec("bfloat16", 128), AVX512_TARGET, knobs))
+    untuned = {n for n in names if n.startswith("forward_split")}  # split-KV decode: no knobs (host.py)
+    assert "forward_long" in names and len(untuned) == 3
+    assert names - untuned <= set(sum(tune.CPU_PHASE_KERNELS.values(), ()))
+
+
 def test_cpu_specs_without_a_record_take_the_plain_specs():
     from tvmflash.tuning import tuned_knobs
 
