@@ -102,8 +102,11 @@ def block_max(sT, src_scale, tmax, k0, seqlen_k, block_k, block_q):
                 tmax[cols] = T.max(tmax[cols], T.Select(k0 + j < seqlen_k, sT[j, cols] * src_scale, NEG_INF16))
 
 
-def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int) -> tirx.PrimFunc:
-    """kp[b, h, j, d] = K (0 past Lk), vt[b, h, d, j] = V^T (0 past Lk), j < padded length."""
+def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int, with_k: bool = True) -> tirx.PrimFunc:
+    """kp[b, h, j, d] = K (0 past Lk), vt[b, h, d, j] = V^T (0 past Lk), j < padded length:
+    `forward_pack` (k, v, kp, vt). Without `with_k`, V^T only: `forward_pack_vt` (v, vt), for
+    keys that need no padding, whose K the forward's tile loads read in place (any row
+    stride)."""
     D = spec.head_dim
     shape = Shape.fresh()
     B, HK, LK = shape.batch, shape.heads_k, shape.seqlen_k
@@ -113,9 +116,9 @@ def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int) -> tirx.PrimFunc:
     assert kv_pad % CH == 0
 
     def declare():
-        k = args.tensor("k", (B, HK, LK, D), BF16)
+        k = args.tensor("k", (B, HK, LK, D), BF16) if with_k else None
         v = args.tensor("v", (B, HK, LK, D), BF16)
-        kp = args.tensor("kp", (B, HK, LKP, D), BF16)
+        kp = args.tensor("kp", (B, HK, LKP, D), BF16) if with_k else None
         vt = args.tensor("vt", (B, HK, D, LKP), BF16)
         return k, v, kp, vt
 
@@ -130,18 +133,19 @@ def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int) -> tirx.PrimFunc:
                 vh = T.axis.spatial(HK, t // NCH % HK)
                 vc = T.axis.spatial(NCH, t % NCH)
                 j0 = T.meta_var(vc * CH)
-                for j, d in T.grid(CH, D):
-                    with T.sblock("pack_k"):
-                        vj, vd = T.axis.remap("SS", [j, d])
-                        KP[vb, vh, j0 + vj, vd] = T.Select(
-                            j0 + vj < LK, K[vb, vh, T.min(j0 + vj, LK - 1), vd], T.bfloat16(0))
+                if with_k:
+                    for j, d in T.grid(CH, D):
+                        with T.sblock("pack_k"):
+                            vj, vd = T.axis.remap("SS", [j, d])
+                            KP[vb, vh, j0 + vj, vd] = T.Select(
+                                j0 + vj < LK, K[vb, vh, T.min(j0 + vj, LK - 1), vd], T.bfloat16(0))
                 for j, d in T.grid(CH, D):
                     with T.sblock("pack_vT"):
                         vj, vd = T.axis.remap("SS", [j, d])
                         VT[vb, vh, vd, j0 + vj] = T.Select(
                             j0 + vj < LK, V[vb, vh, T.min(j0 + vj, LK - 1), vd], T.bfloat16(0))
 
-    return pack.with_attr("global_symbol", "forward_pack")
+    return pack.with_attr("global_symbol", "forward_pack" if with_k else "forward_pack_vt")
 
 
 def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: int,

@@ -66,6 +66,7 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
             funcs["forward_long"] = forward_amx_kernel(spec, knobs["long_block_q"], knobs["block_k"], AMX_KV_PAD,
                                                        "forward_long")
         funcs["forward_pack"] = forward_amx_pack_kernel(spec, AMX_KV_PAD)
+        funcs["forward_pack_vt"] = forward_amx_pack_kernel(spec, AMX_KV_PAD, with_k=False)
         for plan in ("fused", "dkdv", "dq"):
             funcs[f"backward_{plan}"] = backward_amx_kernel(spec, knobs["bwd_block_q"], knobs["bwd_block_k"], plan)
         funcs["backward_pack"] = backward_amx_pack_kernel(spec, AMX_KV_PAD)

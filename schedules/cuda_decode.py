@@ -160,7 +160,7 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     def decode():
         T.func_attr({"tirx.noalias": True})
         Q, K, V, cache, O, LSE, O_FINAL, LSE_FINAL, COUNTERS, scale, score_all = T.meta_var(
-            declare_decode_args(spec, shape, S, final=True))
+            declare_decode_args(spec, shape, S, counters=True))
         T.device_entry()
         G = T.meta_var(tirx.truncdiv(H, HK))
         NRB = T.meta_var((G * LQ + ROWS - 1) // ROWS)

@@ -154,6 +154,24 @@ def test_amx_forward_for_long_keys():
 
 
 @needs_amx
+def test_amx_forward_reads_whole_keys_in_place():
+    """Keys that fill whole padded lengths (multiples of AMX_KV_PAD) are not copied: the
+    forward's tile loads read K where it lies (here in flash-attn's (B, L, H, D) storage, rows
+    H * D apart), only V^T is packed; both forwards, GQA, causal with Lq != Lk."""
+    from tvmflash import ops
+    from tvmflash.schedules.avx512 import AMX_KV_PAD
+
+    kernels = ops._kernels(AttentionSpec("bfloat16", 128, causal="bottom_right"), torch.device("cpu"))
+    for lq, lk in ((77, 2 * AMX_KV_PAD), (300, 17 * AMX_KV_PAD)):
+        q, k, v, dout = (x.transpose(1, 2).contiguous().transpose(1, 2)
+                         for x in make(2, 4, 2, lq, lk, 128, torch.bfloat16))
+        assert ops._amx_packs(kernels, k, v)[0] is k
+        assert ops._amx_packs(kernels, k[:, :, 1:], v[:, :, 1:])[0].stride(2) == 128  # padded: packed
+        assert ops._forward_kernel_name(kernels, q, k) == ("forward" if lq < 256 else "forward_long")
+        check_against_reference(q, k, v, dout, flash_run(True), causal="bottom_right")
+
+
+@needs_amx
 @pytest.mark.parametrize("plan", ["fused", "split"])
 def test_amx_backward_plans(plan, monkeypatch):
     """Both backward plans of the AMX path (the matrix mostly takes the fused one), GQA, odd sizes."""

@@ -194,6 +194,12 @@ def test_kvcache_validation():
     with pytest.raises(ValueError, match="outside k_cache's 4 pages"):
         tvmflash.flash_attn_with_kvcache(q, torch.zeros(4, 16, HK, D), torch.zeros(4, 16, HK, D),
                                          block_table=torch.tensor([[0], [4]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="outside k_cache's 4 pages"):  # a negative page
+        tvmflash.flash_attn_with_kvcache(q, torch.zeros(4, 16, HK, D), torch.zeros(4, 16, HK, D),
+                                         block_table=torch.tensor([[0], [-1]], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"batch 1: need 0 <= cache_leftpad \(6\) <= cache_seqlens \(5\)"):
+        tvmflash.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=seqlens,
+                                         cache_leftpad=torch.tensor([0, 6], dtype=torch.int32))
     with pytest.raises(ValueError, match="cache_batch_idx must index"):
         tvmflash.flash_attn_with_kvcache(q, cache, cache.clone(), cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32))
     with pytest.raises(ValueError, match="rotary_cos has 5 positions"):

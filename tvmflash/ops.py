@@ -208,13 +208,15 @@ def _forward_kernel_name(kern: dict, q: torch.Tensor, k: torch.Tensor) -> str:
 def _forward_split(kern: dict, q, k, v, out, lse, scale, mod_args) -> None:
     """Decode-like calls (few queries) on the CPU: a kv-head's query rows share a task, the keys
     are cut into splits (_cpu_splits) that the threads stream, then the partial results are
-    merged. A kv-head with one query row (MHA decode) runs the one-row kernel."""
+    merged (a single split writes out and lse itself). A kv-head with one query row (MHA
+    decode) runs the one-row kernel."""
     B, H, Lq, D = q.shape
     splits = _cpu_splits(B, H, k.shape[1], Lq, k.shape[2])
     o_part = torch.empty((B, H, splits, Lq, D), dtype=torch.float32)
     lse_part = torch.empty((B, H, splits, Lq), dtype=torch.float32)
-    _split_kernel(kern, "forward_split", H // k.shape[1] * Lq)(q, k, v, o_part, lse_part, scale, *mod_args)
-    kern["forward_split_combine"](o_part, lse_part, out, lse)
+    _split_kernel(kern, "forward_split", H // k.shape[1] * Lq)(q, k, v, o_part, lse_part, out, lse, scale, *mod_args)
+    if splits > 1:
+        kern["forward_split_combine"](o_part, lse_part, out, lse)
 
 
 # CTAs per SM the automatic num_splits of decode_kv_cache aims at (a tuning record's
@@ -241,7 +243,8 @@ def _sm_count(device: torch.device) -> int:
 def _decode_plan(q: torch.Tensor, heads_k: int, capacity: int, causal: bool, window: tuple, softcap: bool,
                  alibi: bool, num_splits: int) -> tuple:
     """What a decode call's shape fixes: (spec, split kernel, its scratch arguments, combine
-    kernel or None). The scratch (split partials; on CUDA also the counters with which the
+    kernel or None: CUDA's kernel merges its splits, a CPU one with one split writes the
+    outputs itself). The scratch (split partials; on CUDA also the counters with which the
     kernel merges its splits, zero between launches) is kept per device, stream and shape
     (CPU: per calling thread): calls on one stream run in order, so reuse is safe."""
     B, H, Lq, D = q.shape
@@ -258,7 +261,7 @@ def _decode_plan(q: torch.Tensor, heads_k: int, capacity: int, causal: bool, win
                torch.empty((B, H, splits, Lq), dtype=torch.float32, device=q.device))
     if q.is_cuda:
         return spec, kern["decode"], (*scratch, torch.zeros(row_blocks, dtype=torch.int32, device=q.device)), None
-    return spec, _split_kernel(kern, "decode", H // heads_k * Lq), scratch, kern["decode_combine"]
+    return spec, _split_kernel(kern, "decode", H // heads_k * Lq), scratch, kern["decode_combine"] if splits > 1 else None
 
 
 _decode_plans: dict = {}
@@ -302,12 +305,12 @@ def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         scope = _on_stream(device)
     with scope:
-        if cuda:  # one launch: the kernel merges its splits (o_part, lse_part, counters) into out, lse
-            decode(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, scratch[0], scratch[1],
-                   out.transpose(1, 2), lse, scratch[2], scale, *mod_args)
-        else:
-            decode(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, *scratch, scale, *mod_args)
-            combine(*scratch, out.transpose(1, 2), lse)
+        # on CUDA one launch: the kernel merges its splits (o_part, lse_part, counters) into out, lse
+        out_bhld = out.transpose(1, 2)
+        decode(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, scratch[0], scratch[1],
+               out_bhld, lse, *scratch[2:], scale, *mod_args)
+        if combine is not None:
+            combine(*scratch[:2], out_bhld, lse)
     return out, lse
 
 
@@ -330,15 +333,19 @@ def _cpu_splits(B: int, H: int, Hk: int, Lq: int, keys: int, requested: int = 0)
 
 
 def _amx_packs(kern: dict, k: torch.Tensor, v: torch.Tensor) -> tuple:
-    """The AMX forward's operands: K and V^T packed once per call (zero-padded keys)."""
+    """The AMX forward's operands: K (zero-padded keys) and V^T packed once per call. K needs
+    no copy when its keys fill whole padded lengths: the tile loads take its row stride."""
     if "forward_pack" not in kern:
         return ()
     from .schedules.avx512 import AMX_KV_PAD as pad
 
     B, Hk, Lk, D = k.shape
     Lp = -(-Lk // pad) * pad
-    kp = _scratch("kp", (B, Hk, Lp, D), k.dtype)
     vt = _scratch("vt", (B, Hk, D, Lp), v.dtype, tile_rows=True)
+    if Lp == Lk and "forward_pack_vt" in kern:
+        kern["forward_pack_vt"](v, vt)
+        return k, vt
+    kp = _scratch("kp", (B, Hk, Lp, D), k.dtype)
     kern["forward_pack"](k, v, kp, vt)
     return kp, vt
 

@@ -47,7 +47,7 @@ DECODE_SEQLENS = (8192, 32768)  # B=16, H=32, Hk=8, one query, pages of 16 keys
 CPU_BLOCKS = [(64, 64), (64, 128), (128, 64), (128, 128), (32, 64), (64, 32), (32, 128), (256, 128)]  # (block_q, block_k)
 CPU_REGISTER_TILES = [(8, 2), (4, 4), (4, 2)]  # (rows, zmm vectors per row) of the FMA matmuls
 AMX_LONG_BLOCK_Q = (128, 256)  # the AMX forward's q-blocks for long keys (timed at SEQLENS[1])
-CPU_PHASE_KERNELS = {"forward": ("forward", "forward_long", "forward_pack"),
+CPU_PHASE_KERNELS = {"forward": ("forward", "forward_long", "forward_pack", "forward_pack_vt"),
                      "backward": ("backward_delta", "backward_fused", "backward_dkdv", "backward_dq", "backward_pack")}
 CPU_MATMULS = {"forward": {"forward": ("qk", "pv")},
                "backward": {"backward_fused": ("qk", "dp", "dv", "dk", "dq"),

@@ -26,7 +26,9 @@ def declare_forward_args(spec: AttentionSpec, shape: Shape, splits: tirx.Var | N
     """The forward's arguments, in call order, for every target's forward kernel (call while
     the kernel is parsed): q, k, v, o (B, H|Hk, L, D), lse (B, H, Lq) fp32, scale, then the
     score modifiers' own arguments; returns them and the bound ScorePipeline. With `splits`
-    (split-KV) o and lse are the fp32 partials, (B, H, splits, Lq, D) and (B, H, splits, Lq)."""
+    (split-KV) o and lse are the fp32 partials, (B, H, splits, Lq, D) and (B, H, splits, Lq),
+    followed by the final o and lse, which a single split writes itself (no merge): the
+    returned o and lse are then pairs (partial, final)."""
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
     D, dt = spec.head_dim, spec.dtype
     args = KernelArgs()
@@ -37,8 +39,10 @@ def declare_forward_args(spec: AttentionSpec, shape: Shape, splits: tirx.Var | N
         o = args.tensor("o", (B, H, LQ, D), dt)
         lse = args.tensor("lse", (B, H, LQ), F32)
     else:
-        o = args.tensor("o_part", (B, H, splits, LQ, D), F32)
-        lse = args.tensor("lse_part", (B, H, splits, LQ), F32)
+        o_part = args.tensor("o_part", (B, H, splits, LQ, D), F32)
+        lse_part = args.tensor("lse_part", (B, H, splits, LQ), F32)
+        o = (o_part, args.tensor("o", (B, H, LQ, D), dt))
+        lse = (lse_part, args.tensor("lse", (B, H, LQ), F32))
     scale = args.scalar("scale")
     return q, k, v, o, lse, scale, ScorePipeline(spec.modifiers(), args, shape)
 
