@@ -6,7 +6,8 @@ Protocol
   with ``torch.manual_seed(0)`` and shared by every implementation.
 * FLOPs: forward = 4·B·H·Lq·Lk·D (halved when causal), backward = 2.5 × forward.
 * Forward is timed with autograd enabled (inputs require grad), i.e. the
-  forward that a training step runs.  Backward is timed alone:
+  forward that a training step runs; forward-only points (``backward=False``, e.g.
+  decode) with inputs that do not require grad, as inference runs them.  Backward is timed alone:
   ``torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)`` on a
   forward output computed beforehand, identically for every implementation.
 * Warm-up: ``warmup`` forward+backward calls per implementation before timing
@@ -16,7 +17,9 @@ Protocol
   sample is the mean time of ``iters`` back-to-back calls; the reported time is
   the **median** of the samples.  ``iters=None`` picks it per point so that a
   sample lasts roughly ``SAMPLE_TARGET_S``.
-* CPU uses ``time.perf_counter``; CUDA uses CUDA events, and additionally
+* CPU uses ``time.perf_counter``, with glibc's heap thresholds fixed first
+  (``steady_heap``: torch's CPU SDPA otherwise runs up to 2x slower in some processes);
+  CUDA uses CUDA events, and additionally
   compares against the FLASH and CUDNN SDPA backends (a backend that rejects
   the point, e.g. FLASH with fp32, is recorded as ``None``).
 * ``ratio = baseline_time / tvmflash_time``: above 1 means tvmflash is faster.
@@ -186,7 +189,9 @@ def _bench_point(
     torch.manual_seed(0)
     shape = (batch, heads, seqlen, head_dim)
     q_shape = (batch, heads, seqlen_q or seqlen, head_dim)
-    q, k, v = (torch.randn(sh, device=device, dtype=DTYPES[dtype], requires_grad=True) for sh in (q_shape, shape, shape))
+    # forward-only points time inference calls (no autograd graph), as a server makes them
+    q, k, v = (torch.randn(sh, device=device, dtype=DTYPES[dtype], requires_grad=backward)
+               for sh in (q_shape, shape, shape))
     grad_out = torch.randn(q_shape, device=device, dtype=DTYPES[dtype])
 
     # Warm-up (compiles tvmflash's kernels on first use) and drop baselines that reject this point.

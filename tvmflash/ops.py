@@ -51,9 +51,20 @@ def spec_for(q: torch.Tensor, mask: Optional[torch.Tensor], causal: str, window:
     else:
         kind, mask_dtype = "additive", _TORCH_TO_TVM[mask.dtype]
         mask_dtype = None if mask_dtype == _TORCH_TO_TVM[q.dtype] else mask_dtype
-    return AttentionSpec(dtype=_TORCH_TO_TVM[q.dtype], head_dim=q.shape[-1], causal=causal,
-                         mask=kind, mask_dtype=mask_dtype, variants=variants,
-                         flex=_FLEX_PROGRAMS[flex] if flex else ())
+    return _spec(_TORCH_TO_TVM[q.dtype], q.shape[-1], causal, kind, mask_dtype, variants, flex)
+
+
+@functools.lru_cache(maxsize=256)
+def _spec(dtype: str, head_dim: int, causal: str, mask: str, mask_dtype, variants: tuple, flex: str) -> AttentionSpec:
+    """One AttentionSpec per call signature (building and validating one each call, then
+    hashing it to find its kernels, cost a small call ~10% of its time)."""
+    return AttentionSpec(dtype=dtype, head_dim=head_dim, causal=causal, mask=mask, mask_dtype=mask_dtype,
+                         variants=variants, flex=_FLEX_PROGRAMS[flex] if flex else ())
+
+
+@functools.lru_cache(maxsize=256)
+def _arg_names(spec: AttentionSpec) -> tuple:
+    return spec.kernel_arg_names()
 
 
 _loaded: dict = {}  # (spec, device, CPU target choice) -> kernels: the per-call fast path
@@ -106,6 +117,9 @@ def _mod_args(spec: AttentionSpec, shape, mask, window, softcap, alibi_slopes, d
     (an unbounded side as Lq + Lk), the softcap, ALiBi slopes as a (B, H) view, dropout's p
     and [seed, offset], packed sequences' row tables (kernels/score_mods.py's Varlen; ALiBi
     slopes then come with a row per sequence)."""
+    names = _arg_names(spec)
+    if not names:
+        return ()
     B, H, Lq, Lk = shape
     values = {}
     if mask is not None:
@@ -126,7 +140,7 @@ def _mod_args(spec: AttentionSpec, shape, mask, window, softcap, alibi_slopes, d
             for name in BLOCK_MASK_ARGS:
                 t = next(captures)
                 values[name] = t.expand(B, H, *t.shape[2:])
-    return tuple(values[name] for name in spec.kernel_arg_names())
+    return tuple(values[name] for name in names)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
@@ -143,6 +157,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[
         if flex:
             raise NotImplementedError("tvmflash.flex_attention under torch.compile is not supported yet")
         return attention_forward(q, k, v, mask, scale, causal, deterministic, *variant[:-3], *(seqlens or _NO_SEQLENS))
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        # nothing to differentiate (the caller checked mask, slopes and captures): no graph node
+        return _forward(q, k, v, mask, scale, causal, (window_left, window_right), softcap, alibi_slopes, dropout_p,
+                        dropout_rng, seqlens, flex, flex_captures)
     return _EagerAttention.apply(q, k, v, mask, scale, causal, deterministic, *variant)
 
 
