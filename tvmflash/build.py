@@ -38,8 +38,8 @@ CPU_KERNELS = ("forward", "backward_delta", "backward_dkdv", "backward_dq",
                "backward_fused")
 # AMX operand packing; the split-KV decode forward (not for dropout: training only) and its
 # one-query-row variants (schedules/host.py)
-CPU_OPTIONAL_KERNELS = ("forward_pack", "forward_pack_vt", "forward_long", "backward_pack", "forward_split", "forward_split_row",
-                        "forward_split_combine", "decode_row")
+CPU_OPTIONAL_KERNELS = ("forward_pack", "forward_pack_vt", "forward_long", "backward_pack", "forward_split",
+                        "forward_split_row", "forward_split_combine", "decode_row")
 CUDA_KERNELS = ("forward", "backward_prep", "backward_dkdv_dq", "backward_dq_convert", "backward_dkdv",
                 "backward_dq")
 DECODE_KERNELS = ("decode", "decode_combine")  # a kv_cache spec's CPU module

@@ -218,8 +218,7 @@ def _forward_kernel_name(kern: dict, q: torch.Tensor, k: torch.Tensor) -> str:
         return "forward"
     from .schedules.avx512 import AMX_KV_PAD, AMX_LONG_KV_BYTES, AMX_LONG_MIN_QUERIES
 
-    padded_keys = -(-k.shape[2] // AMX_KV_PAD) * AMX_KV_PAD
-    long_keys = 2 * padded_keys * k.shape[3] * k.element_size() >= AMX_LONG_KV_BYTES
+    long_keys = 2 * _amx_padded(k.shape[2], AMX_KV_PAD) * k.shape[3] * k.element_size() >= AMX_LONG_KV_BYTES
     return "forward_long" if long_keys and q.shape[2] >= AMX_LONG_MIN_QUERIES else "forward"
 
 
@@ -279,7 +278,8 @@ def _decode_plan(q: torch.Tensor, heads_k: int, capacity: int, causal: bool, win
                torch.empty((B, H, splits, Lq), dtype=torch.float32, device=q.device))
     if q.is_cuda:
         return spec, kern["decode"], (*scratch, torch.zeros(row_blocks, dtype=torch.int32, device=q.device)), None
-    return spec, _split_kernel(kern, "decode", H // heads_k * Lq), scratch, kern["decode_combine"] if splits > 1 else None
+    combine = kern["decode_combine"] if splits > 1 else None
+    return spec, _split_kernel(kern, "decode", H // heads_k * Lq), scratch, combine
 
 
 _decode_plans: dict = {}
@@ -350,6 +350,11 @@ def _cpu_splits(B: int, H: int, Hk: int, Lq: int, keys: int, requested: int = 0)
     return max(1, min(requested, -(-keys // SPLIT_BLOCK_K)))
 
 
+def _amx_padded(length: int, pad: int) -> int:
+    """Rows of an AMX operand pack: `length` rounded up to a multiple of `pad` (AMX_KV_PAD)."""
+    return -(-length // pad) * pad
+
+
 def _amx_packs(kern: dict, k: torch.Tensor, v: torch.Tensor) -> tuple:
     """The AMX forward's operands: K (zero-padded keys) and V^T packed once per call. K needs
     no copy when its keys fill whole padded lengths: the tile loads take its row stride."""
@@ -358,7 +363,7 @@ def _amx_packs(kern: dict, k: torch.Tensor, v: torch.Tensor) -> tuple:
     from .schedules.avx512 import AMX_KV_PAD as pad
 
     B, Hk, Lk, D = k.shape
-    Lp = -(-Lk // pad) * pad
+    Lp = _amx_padded(Lk, pad)
     vt = _scratch("vt", (B, Hk, D, Lp), v.dtype, tile_rows=True)
     if Lp == Lk and "forward_pack_vt" in kern:
         kern["forward_pack_vt"](v, vt)
@@ -471,7 +476,7 @@ def _amx_backward_packs(kern: dict, q, k, v, dout) -> tuple:
 
     B, H, Lq, D = q.shape
     Hk, Lk = k.shape[1], k.shape[2]
-    Lqp, Lkp = -(-Lq // pad) * pad, -(-Lk // pad) * pad
+    Lqp, Lkp = _amx_padded(Lq, pad), _amx_padded(Lk, pad)
     rows = [_scratch(f"bwd_rows{i}", (B, Hk, Lkp, D), k.dtype) for i in range(2)]
     kt = _scratch("bwd_kt", (B, Hk, D, Lkp), k.dtype, tile_rows=True)
     over_d = [_scratch(f"bwd_over_d{i}", (B, H, D // 2, Lqp), torch.uint32, tile_rows=True) for i in range(2)]
