@@ -200,11 +200,20 @@ def test_kvcache_validation():
     with pytest.raises(ValueError, match=r"batch 1: need 0 <= cache_leftpad \(6\) <= cache_seqlens \(5\)"):
         tvmflash.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=seqlens,
                                          cache_leftpad=torch.tensor([0, 6], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"cache_batch_idx must index .* got \[-1, 0\]"):
+        tvmflash.flash_attn_with_kvcache(q, cache, cache.clone(), cache_batch_idx=torch.tensor([-1, 0], dtype=torch.int32))
     with pytest.raises(ValueError, match="cache_batch_idx must index"):
         tvmflash.flash_attn_with_kvcache(q, cache, cache.clone(), cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32))
-    with pytest.raises(ValueError, match="rotary_cos has 5 positions"):
-        tvmflash.flash_attn_with_kvcache(q, cache, cache.clone(), new, new, cache_seqlens=seqlens,
-                                         rotary_cos=torch.ones(5, 4), rotary_sin=torch.zeros(5, 4))
+    # one int length for all (checked on scalars): negative, and with the leftpad tensor path
+    with pytest.raises(ValueError, match=r"batch 0: need 0 <= cache_leftpad \(0\) <= cache_seqlens \(-1\)"):
+        tvmflash.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=-1)
+    with pytest.raises(ValueError, match=r"batch 1: need 0 <= cache_leftpad \(5\) <= cache_seqlens \(4\)"):
+        tvmflash.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=4,
+                                         cache_leftpad=torch.tensor([0, 5], dtype=torch.int32))
+    for lengths in (seqlens, 5):  # per batch entry, one for all
+        with pytest.raises(ValueError, match="rotary_cos has 5 positions"):
+            tvmflash.flash_attn_with_kvcache(q, cache, cache.clone(), new, new, cache_seqlens=lengths,
+                                             rotary_cos=torch.ones(5, 4), rotary_sin=torch.zeros(5, 4))
     with pytest.raises(ValueError, match="num_splits"):
         tvmflash.flash_attn_with_kvcache(q, cache, cache.clone(), num_splits=-1)
 
