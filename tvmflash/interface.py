@@ -606,7 +606,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if rows is None and not paged:
         rows = _arange_int32(B, q.device)
     if not (in_place and q.is_cuda):  # (reading them costs a CPU nothing)
-        _check_cache_indices(k_cache, block_table, rows, None if seqlens is zeros else seqlens, length,
+        _check_cache_indices(k_cache, block_table, rows, B, None if seqlens is zeros else seqlens, length,
                              None if leftpad is zeros else leftpad, new, capacity, rotary_cos, Lq, q_steps)
     if rotary_cos is not None or new:
         with torch.no_grad():
@@ -637,11 +637,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return (out, lse) if return_softmax_lse else out
 
 
-def _check_cache_indices(k_cache, block_table, rows, seqlens, length: int, leftpad, new: int, capacity: int,
-                         rotary_cos, Lq: int, q_steps: bool) -> None:
+def _check_cache_indices(k_cache, block_table, rows, batch: int, seqlens, length: int, leftpad, new: int,
+                         capacity: int, rotary_cos, Lq: int, q_steps: bool) -> None:
     """The index tensors' values (read to the host): pages and rows inside the cache, 0 <=
     leftpad <= seqlens + length, room for the new tokens, rotary tables long enough. `seqlens`
-    and `leftpad` None: zeros (one length for all, no padding: checked on scalars). Read as
+    and `leftpad` None: zeros (one length for all, no padding: checked on scalars); an empty
+    batch has no lengths to check. Read as
     numpy arrays: on the 16-core Xeon the same checks as torch ops on these (B,)-sized tensors
     cost 40-55 us, a twentieth of a 1k-key decode step."""
     # one pass over pages or rows: negative entries read as unsigned are past the end too
@@ -652,23 +653,27 @@ def _check_cache_indices(k_cache, block_table, rows, seqlens, length: int, leftp
         picked = _host_array(rows)
         if picked.size and (picked.view(np.uint32) >= k_cache.shape[0]).any():
             raise ValueError(f"cache_batch_idx must index k_cache's {k_cache.shape[0]} rows, got {picked.tolist()}")
+
+    def bad_entry(b, pad, seqlen, end):
+        return ValueError(f"batch {b}: need 0 <= cache_leftpad ({pad}) <= cache_seqlens ({seqlen}) and "
+                          f"cache_seqlens + new tokens ({end}) <= the cache's {capacity} rows")
+
+    if not batch:
+        return
     if seqlens is None and leftpad is None:
         if length < 0 or length + new > capacity:
-            raise ValueError(f"batch 0: need 0 <= cache_leftpad (0) <= cache_seqlens ({length}) and cache_seqlens + "
-                             f"new tokens ({length + new}) <= the cache's {capacity} rows")
+            raise bad_entry(0, 0, length, length + new)
         ends_max, lengths_max = length + new, length
     else:
-        B = (seqlens if seqlens is not None else leftpad).shape[0]
-        lengths = (_host_array(seqlens).astype(np.int64) if seqlens is not None else np.zeros(B, np.int64)) + length
-        pads = _host_array(leftpad) if leftpad is not None else np.zeros(B, np.int32)
+        lengths = (_host_array(seqlens).astype(np.int64) if seqlens is not None else np.zeros(batch, np.int64)) + length
+        pads = _host_array(leftpad) if leftpad is not None else np.zeros(batch, np.int32)
         ends = lengths + new
         bad = (pads < 0) | (pads > lengths) | (ends > capacity)
         if bad.any():
             b = int(bad.argmax())
-            raise ValueError(f"batch {b}: need 0 <= cache_leftpad ({pads[b]}) <= cache_seqlens ({lengths[b]}) "
-                             f"and cache_seqlens + new tokens ({ends[b]}) <= the cache's {capacity} rows")
-        ends_max, lengths_max = (int(ends.max()), int(lengths.max())) if B else (None, None)
-    if rotary_cos is not None and ends_max is not None:
+            raise bad_entry(b, pads[b], lengths[b], ends[b])
+        ends_max, lengths_max = int(ends.max()), int(lengths.max())
+    if rotary_cos is not None:
         reach = max(ends_max, lengths_max + (Lq if q_steps else 1))
         if reach > rotary_cos.shape[0]:
             raise ValueError(f"rotary_cos has {rotary_cos.shape[0]} positions; the cache reaches {reach}")
