@@ -17,6 +17,9 @@ wgmma's swizzled layout, see `cuda_wgmma`). Per q-block, with keys as the M dime
                                    D / warpgroups columns of dQ over all the CTA's keys and adds
                                    them to the fp32 accumulator, staged in shared memory, with
                                    one bulk reduction (`cp.reduce.async.bulk .add.f32`) per row.
+A flex block mask's empty tiles are skipped without a step of their own: each warp tests the
+next 32 steps' tiles in the block map at once (a ballot) to find the next live step, and the
+mask_mod is evaluated only on its partial tiles.
 
 Knobs (`default_knobs`; tuned values in tuning_logs/cuda/ (tvmflash.tuning)):
     bwd_wgmma             1: this kernel where `supports` says so; 0: the mma.sync kernel
@@ -31,7 +34,7 @@ from tvm.script import tirx as T
 
 from tvmflash.kernels.common import F32, LOG2E, Shape
 from tvmflash.kernels.dropout import check_dropout_blocks
-from tvmflash.kernels.score_mods import grad_from_output
+from tvmflash.kernels.score_mods import TileAt, grad_from_output
 from tvmflash.spec import AttentionSpec
 
 from .cuda_backward import _check, _declare
@@ -46,9 +49,8 @@ DEFAULTS = {"bwd_wgmma": 1, "bwd_wgmma_warpgroups": 2, "bwd_wgmma_block_m": 64}
 def supports(spec: AttentionSpec, arch: str) -> bool:
     """sm_90a, head dims 64 and 128, modifiers whose gradient is 1 or follows from the modified
     score (softcap alone; a factor per score would not fit this kernel's registers, so it is
-    recomputed from P and lse), no block-sparse flex mask (the mma kernels apply it)."""
-    return (arch == "sm_90a" and spec.head_dim in (64, 128) and grad_from_output(spec.modifiers())
-            and not spec.block_sparse)
+    recomputed from P and lse)."""
+    return arch == "sm_90a" and spec.head_dim in (64, 128) and grad_from_output(spec.modifiers())
 
 
 def default_knobs(spec: AttentionSpec) -> dict:
@@ -73,6 +75,7 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         raise ValueError(f"the wgmma backward needs head_dim % 64 == 0, 1 or 2 warpgroups and block_m 64 or 128, "
                          f"got {spec}, {knobs}")
     MT = BM // 64          # 64-query m-tiles of the dQ product
+    sparse = spec.block_sparse
     # 128 queries: registers are short, so dP^T reuses S^T's (computed after P^T, not alongside
     # S^T) and dS^T P^T's (after dV += P^T dO), from P^T in 16 bits
     LOW_REG = BM > 64
@@ -140,6 +143,36 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         NJ = T.meta_var(T.Select(k0 < lk, walk.count, T.int64(0)))  # a packed tile may have no rows
         cur = T.alloc_local([2], "int64")  # this step and the next one
         nxt = T.alloc_local([2], "int64")
+        at = T.meta_var(lambda st: TileAt(bs, walk.head(st), (BM, BN)))
+        seek_pos = T.alloc_local([1], "int32")
+        seek_hits = T.alloc_local([1], "uint32")
+        live_steps = T.alloc_local([1], "int64")  # steps run (which slot is whose)
+
+        @T.inline
+        def seek(st):
+            # st -> the first step at or after it whose tile the block mask keeps (st[0] >= G:
+            # none). The step itself first (usually kept); past it, 32 steps a round, one per
+            # lane (ballot), the same in every warp
+            steps = T.meta_var(T.Cast("int32", NJ))
+            per_head = T.meta_var(T.Cast("int32", walk.per_head))
+            seek_pos[0] = T.Cast("int32", st[0]) * per_head + T.Cast("int32", st[1])
+            clamped = T.meta_var((T.min(st[0], G - 1), st[1]))
+            if T.And(seek_pos[0] < steps, tirx.Not(tscore.tile_live(walk.q0(clamped), k0, at(clamped)))):
+                seek_pos[0] = seek_pos[0] + 1
+                seek_hits[0] = T.uint32(0)
+                while T.And(seek_hits[0] == T.uint32(0), seek_pos[0] < steps):
+                    cand = T.meta_var(T.min(seek_pos[0] + lane, steps - 1))
+                    cand_step = T.meta_var((T.Cast("int64", cand // per_head), T.Cast("int64", cand % per_head)))
+                    live = T.meta_var(tscore.tile_live(walk.q0(cand_step), k0, at(cand_step)))
+                    seek_hits[0] = tirx.call_extern("uint32", "__ballot_sync", T.uint32(0xFFFFFFFF),
+                                                    T.And(seek_pos[0] + lane < steps, live))
+                    if seek_hits[0] == T.uint32(0):
+                        seek_pos[0] = seek_pos[0] + 32
+                    else:
+                        seek_pos[0] = seek_pos[0] + tirx.call_pure_extern(
+                            "int32", "__ffs", T.Cast("int32", seek_hits[0])) - 1
+                st[0] = T.Cast("int64", seek_pos[0] // T.max(per_head, 1))
+                st[1] = T.Cast("int64", seek_pos[0] % T.max(per_head, 1))
 
         @T.inline
         def load_step(st, slot):
@@ -158,7 +191,9 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
 
         cur[0] = T.int64(0)
         cur[1] = T.int64(0)
-        if NJ > 0:
+        if sparse:
+            seek(cur)
+        if (cur[0] < G) if sparse else (NJ > 0):
             copy_rows_sw128(pool, K_OFF, K, b, hk, k_start + k0, BN, k_start + lk, D, tid, NT)
             copy_rows_sw128(pool, V_OFF, V, b, hk, k_start + k0, BN, k_start + lk, D, tid, NT)
             load_step(cur, 0)
@@ -170,17 +205,26 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             dk[i] = T.float32(0)
             dv[i] = T.float32(0)
 
-        for j in T.serial(NJ):
+        @T.inline
+        def prefetch_next(j):
+            # the next step's q-block into the other slot
+            advance(walk, cur, nxt)
+            if sparse:
+                seek(nxt)
+            if (nxt[0] < G) if sparse else (j + 1 < NJ):
+                load_step(nxt, (j + 1) % 2)
+            T.ptx["cp.async.commit_group"]()
+
+        @T.inline
+        def step(j):
             slot = T.meta_var(j % 2)
             h = T.meta_var(walk.head(cur))
             q0 = T.meta_var(walk.q0(cur))
             q_tile = T.meta_var(Q_OFF + slot * BM * D)
             do_tile = T.meta_var(DO_OFF + slot * BM * D)
             sync_loads()
-            advance(walk, cur, nxt)
-            if j + 1 < NJ:  # prefetch the next q-block into the other slot
-                load_step(nxt, (j + 1) % 2)
-            T.ptx["cp.async.commit_group"]()
+            if not sparse:
+                prefetch_next(j)
             # S^T = K Q^T and dP^T = V dO^T
             T.ptx.wgmma.fence.sync.aligned()
             gemm_ss_kmajor(OP_S, s, NQ8 * 4, desc_kmaj, K_OFF + wg * 64 * 64, BN, q_tile, BM, D)
@@ -188,9 +232,11 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             if not LOW_REG:
                 gemm_ss_kmajor(OP_S, dp, NQ8 * 4, desc_kmaj, V_OFF + wg * 64 * 64, BN, do_tile, BM, D)
                 T.ptx.wgmma.commit_group.sync.aligned()
+            if sparse:  # the search for the next live step runs while the tensor cores work
+                prefetch_next(j)
             T.ptx.wgmma.wait_group.sync.aligned(0 if LOW_REG else 1)
             fence_registers(s, NQ8 * 4)
-            if tscore.tile_unmasked(q0, q0 + BM, k0, k0 + BN):
+            if tscore.tile_unmasked(q0, q0 + BM, k0, k0 + BN, at(cur)):
                 transposed_probabilities(s, p, stats, slot, NQ8, tscore, scale, bs, h, q0, k0 + kr, lane, False)
             else:
                 transposed_probabilities(s, p, stats, slot, NQ8, tscore, scale, bs, h, q0, k0 + kr, lane, True)
@@ -267,6 +313,15 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             fence_registers(dv, ND * 4)
             cur[0] = nxt[0]
             cur[1] = nxt[1]
+
+        if sparse:
+            live_steps[0] = T.int64(0)
+            while cur[0] < G:
+                step(live_steps[0])
+                live_steps[0] = live_steps[0] + T.int64(1)
+        else:
+            for j in T.serial(NJ):
+                step(j)
         if with_dq:
             if tid % 128 < BM:
                 T.ptx["cp.async.bulk.wait_group"](0)
