@@ -42,7 +42,7 @@ from tvmflash.kernels.score_mods import ScoreIndex, ScorePipeline, TileAt
 from tvmflash.spec import AttentionSpec
 
 from .cuda_mma import (PAD, QStepWalk, advance, batch_and_head, copy_row_stats, copy_rows, dropout_cols_t,
-                       dropout_rows, dropped_ds, load_a_trans, mma_op, smem_scope, transposed_probabilities,
+                       dropout_rows, dropped_ds, exp2_into, load_a_trans, mma_op, smem_scope, transposed_probabilities,
                        warp_gemm_nt, warp_gemm_rn)
 
 DEFAULTS = {"bwd_block_n": 128, "bwd_block_m": 64, "bwd_stages": 3, "bwd_dq_chunk": 32, "bwd_d_split": 1,
@@ -424,9 +424,9 @@ def dq_kernel(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                         if gs is not None:
                             gs[idx] = score.grad(s[idx] * scale, ix)
                         if masked or score.changes_values:
-                            s[idx] = T.exp2(score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - lse2[hh])
+                            exp2_into(s[idx], score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - lse2[hh])
                         else:
-                            s[idx] = T.exp2(s[idx] * scale_log2 - lse2[hh])
+                            exp2_into(s[idx], s[idx] * scale_log2 - lse2[hh])
 
         copy_rows(pool, Q_ROW, Q, b, h, q0, BM, LQ, D, tid, NT)
         copy_rows(pool, DO_ROW, DO, b, h, q0, BM, LQ, D, tid, NT)

@@ -243,6 +243,13 @@ def load_row_values(rowv, score, n_mt, q_row0, lane):
 
 
 @T.inline
+def exp2_into(dst, x):
+    """dst = 2^x as one MUFU.EX2 (`ex2.approx.ftz`: results below 2^-126 flush to 0, -inf gives
+    0); exp2f wraps it in a range test and two predicated scalings (H100 forward: 5% faster)."""
+    T.ptx["ex2.approx.ftz.f32"](dst, x)
+
+
+@T.inline
 def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, masked):
     """One K/V tile of the forward's online softmax on accumulator fragments: n_mt m-tiles of
     16 rows, ns n8 tiles of scores S (k0: the tile's first key). Scores go to the exp2 domain;
@@ -265,13 +272,13 @@ def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, ma
                         s[idx] = s[idx] * (scale * T.float32(LOG2E))
                     mx[0] = T.max(mx[0], s[idx])
             mx[0] = T.cuda.warp_max(mx[0], width=4)
-            alpha[mt * 2 + hh] = T.exp2(m[mt * 2 + hh] - mx[0])
+            exp2_into(alpha[mt * 2 + hh], m[mt * 2 + hh] - mx[0])
             m[mt * 2 + hh] = mx[0]
             l[mt * 2 + hh] = l[mt * 2 + hh] * alpha[mt * 2 + hh]
             for nt in T.unroll(ns):
                 for e in T.unroll(2):
                     idx = T.meta_var((mt * ns + nt) * 4 + hh * 2 + e)
-                    s[idx] = T.exp2(s[idx] - mx[0])
+                    exp2_into(s[idx], s[idx] - mx[0])
                     l[mt * 2 + hh] = l[mt * 2 + hh] + s[idx]
 
 
@@ -342,9 +349,9 @@ def transposed_probabilities(s, p, stats, slot, nq8, score, scale, b, h, q0, key
                 if gs is not None:
                     gs[idx] = score.grad(s[idx] * scale, ix)
                 if masked or score.changes_values:
-                    s[idx] = T.exp2(score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - stats[slot, 0, qc])
+                    exp2_into(s[idx], score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - stats[slot, 0, qc])
                 else:
-                    s[idx] = T.exp2(s[idx] * (scale * T.float32(LOG2E)) - stats[slot, 0, qc])
+                    exp2_into(s[idx], s[idx] * (scale * T.float32(LOG2E)) - stats[slot, 0, qc])
                 p[idx] = T.Cast(p.dtype, s[idx])
 
 

@@ -43,10 +43,7 @@ def wgmma_op(dtype: str, n: int) -> str:
 
 
 @T.inline
-def copy_rows_sw128(pool, base, src, b, head, row0, nrows, limit, width, tid, nthreads):
-    """nrows x width elements of src[b, head, row0:, :] into the swizzled tile at element
-    offset `base` of the flat pool with `cp.async`; rows at or past `limit` are zero-filled
-    (source size 0) with the source address clamped in bounds."""
+def _copy_rows_sw128(pool, base, src, b, head, row0, nrows, limit, width, tid, nthreads, edge):
     for it in T.unroll((nrows * width // 8 + nthreads - 1) // nthreads):
         c = T.meta_var(tid + it * nthreads)
         r = T.meta_var(c // (width // 8))
@@ -55,8 +52,20 @@ def copy_rows_sw128(pool, base, src, b, head, row0, nrows, limit, width, tid, nt
         if nrows * width // 8 % nthreads == 0 or c < nrows * width // 8:
             T.ptx["cp.async.cg.shared.global"](
                 pool.ptr_to([base + cc // 8 * (nrows * 64) + r * 64 + T.bitwise_xor(cc % 8, r % 8) * 8]),
-                src.ptr_to([b, head, T.min(row, limit - 1), cc * 8]),
-                16, T.Select(row < limit, T.uint32(16), T.uint32(0)))
+                src.ptr_to([b, head, T.min(row, limit - 1) if edge else row, cc * 8]),
+                16, T.Select(row < limit, T.uint32(16), T.uint32(0)) if edge else 16)
+
+
+@T.inline
+def copy_rows_sw128(pool, base, src, b, head, row0, nrows, limit, width, tid, nthreads):
+    """nrows x width elements of src[b, head, row0:, :] into the swizzled tile at element
+    offset `base` of the flat pool with `cp.async`; rows at or past `limit` are zero-filled
+    (source size 0) with the source address clamped in bounds. Tiles wholly inside take a
+    path without the per-row clamp and test (their addresses are one stride apart)."""
+    if row0 + nrows <= limit:
+        _copy_rows_sw128(pool, base, src, b, head, row0, nrows, limit, width, tid, nthreads, False)
+    else:
+        _copy_rows_sw128(pool, base, src, b, head, row0, nrows, limit, width, tid, nthreads, True)
 
 
 @T.inline
