@@ -71,6 +71,13 @@ def test_hopper_kernels_run_on_wgmma_where_they_take_the_spec():
     # dropout's and softcap's backward too (64-query blocks; softcap's factor recomputed from P)
     assert uses_wgmma(AttentionSpec("bfloat16", 64, variants=("dropout",)), "sm_90a") == (True, True, False)
     assert uses_wgmma(AttentionSpec("bfloat16", 128, variants=("softcap",)), "sm_90a") == (True, True, False)
+    # flex: block masks walk the wgmma kernels too (the forward where its tiles divide the
+    # blocks); a score_mod whose derivative is not 1 keeps the mma backward
+    expected = {"alibi score + causal": (True, True, False), "softcap score": (True, False, False),
+                "document mask": (True, True, False), "sliding window": (True, True, False),
+                "sliding window d96": (False, False, False), "alibi + document, 64-blocks": (False, True, False)}
+    for (name, *_), spec in zip(_flex_cases(), cuda_flex_specs()):
+        assert uses_wgmma(spec, "sm_90a") == expected[name], name
 
 
 @needs_nvcc
