@@ -34,6 +34,9 @@ from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registe
                          gemm_ss_kmajor, wgmma_op)
 
 DEFAULTS = {"forward_wgmma": 1, "wgmma_block_n": 128, "wgmma_warpgroups": 2}
+# a block mask's kv tiles whose first keys a CTA stages in shared memory (the lists' loads
+# and index arithmetic leave the loop); tiles past this many read the lists in place
+LISTED_TILES = 1024
 
 
 def supports(spec: AttentionSpec, arch: str, knobs: dict | None = None) -> bool:
@@ -104,6 +107,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         l = T.alloc_local([2], F32)  # running partial sum of this lane's columns
         mx = T.alloc_local([1], F32)
         alpha = T.alloc_local([2], F32)
+        listed_k0 = T.alloc_buffer((LISTED_TILES if spec.block_sparse else 1,), "int32", scope="shared")
         if q0 < lq:  # a packed tile between two sequences' tiles has no rows
             if tscore.row_values > 0:
                 load_row_values(rowv, tscore, 1, q0 + row0, lane)
@@ -121,6 +125,13 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                 walk_regs[1] = walk.first_full
             n = T.meta_var(walk_regs[0])
             next_k0 = T.alloc_local([1], "int64")  # the first key of the tile being fetched
+            if walk.first_full is not None:  # read after the first tile's barrier
+                for i in T.unroll(LISTED_TILES // NT):
+                    jj = T.meta_var(T.Cast("int64", tid + i * NT))
+                    if jj < n:
+                        listed_k0[jj] = T.Cast("int32", walk.k0(jj))
+            tile_k0 = T.meta_var(walk.k0 if walk.first_full is None else lambda j: tirx.if_then_else(
+                j < LISTED_TILES, T.Cast("int64", listed_k0[T.min(j, LISTED_TILES - 1)]), walk.k0(j)))
 
             @T.inline
             def scores_to_p(k0, j):
@@ -157,11 +168,11 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                 T.ptx.fence.proxy.async_.shared__cta()
                 T.cuda.cta_sync()
                 if j + 2 < n:
-                    next_k0[0] = walk.k0(j + 2)  # once, not per copied row (loads from a block mask's lists)
+                    next_k0[0] = tile_k0(j + 2)  # once, not per copied row (loads from a block mask's lists)
                     copy_rows_sw128(pool, K_OFF + j % 2 * BN * D, K, b, hk, k_start + next_k0[0], BN, k_start + lk, D,
                                     tid, NT)
                 if j + 1 < n:
-                    next_k0[0] = walk.k0(j + 1)
+                    next_k0[0] = tile_k0(j + 1)
                     copy_rows_sw128(pool, V_OFF + (j + 1) % 2 * BN * D, V, b, hk, k_start + next_k0[0], BN,
                                     k_start + lk, D, tid, NT)
                 T.ptx["cp.async.commit_group"]()
@@ -204,7 +215,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                 issue_pv(j)
                 T.ptx.wgmma.wait_group.sync.aligned(1)
                 fence_registers(s, NS * 4)
-                kv0[0] = walk.k0(j + 1)
+                kv0[0] = tile_k0(j + 1)
                 scores_to_p(kv0[0], j + 1)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 fence_registers(o, ND * 4)
