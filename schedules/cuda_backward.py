@@ -32,6 +32,8 @@ Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/ (tvmflash.tuning)):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -115,8 +117,47 @@ def backward_prep_kernel(spec: AttentionSpec) -> tirx.PrimFunc:
     return prep.with_attr("global_symbol", "backward_prep")
 
 
-def dq_convert_kernel(spec: AttentionSpec) -> tirx.PrimFunc:
+@dataclass(frozen=True)
+class DqAccLayout:
+    """Where the fp32 dQ accumulator (a (B, H, LQ, D) tensor) keeps dQ[b, h, row, col]. Plain
+    (`parts` 1, no swizzle): there. The wgmma backward's: D / `parts`-column blocks, each a
+    (LQ, D / parts) row-major array of its own, so a warpgroup's rows x columns are one
+    contiguous run (one bulk reduction a step); with `swizzle`, a row's 8-float units XOR
+    (row % 4), the order that makes the staging of a wgmma fragment in shared memory free of
+    bank conflicts."""
+
+    head_dim: int
+    parts: int = 1
+    swizzle: bool = False
+
+    @property
+    def cols(self) -> int:
+        """Columns of one block."""
+        return self.head_dim // self.parts
+
+    def unit(self, row, unit):
+        """The position of 8-float unit `unit` in row `row` of a block."""
+        return tirx.bitwise_xor(unit, row % 4) if self.swizzle else unit
+
+    def _view(self, flat) -> list:
+        return [flat // self.head_dim, flat % self.head_dim]
+
+    def row_start(self, lq, part, row) -> list:
+        """[row, col] of the (LQ, D) view where row `row` of block `part` starts."""
+        return self._view((part * lq + row) * self.cols)
+
+    def index(self, lq, row, col) -> list:
+        """[row, col] of the (LQ, D) view that holds dQ (row, col)."""
+        if self.parts == 1 and not self.swizzle:
+            return [row, col]
+        c = col % self.cols
+        return self._view((col // self.cols * lq + row) * self.cols + self.unit(row, c // 8) * 8 + c % 8)
+
+
+def dq_convert_kernel(spec: AttentionSpec, layout: DqAccLayout | None = None) -> tirx.PrimFunc:
+    """dQ = scale * the accumulator in `layout` (default: plain), cast."""
     D, dt = spec.head_dim, spec.dtype
+    layout = layout or DqAccLayout(D)
     shape = Shape.fresh()
     B, H, LQ = shape.batch, shape.heads, shape.seqlen_q
 
@@ -137,8 +178,9 @@ def dq_convert_kernel(spec: AttentionSpec) -> tirx.PrimFunc:
         if row < LQ:
             for i in T.unroll((D + 31) // 32):
                 d = T.meta_var(tid % 32 + i * 32)
+                acc_row, acc_col = T.meta_var(layout.index(LQ, row, d))
                 if D % 32 == 0 or d < D:
-                    DQ[b, h, row, d] = T.Cast(dt, ACC[b, h, row, d] * scale)
+                    DQ[b, h, row, d] = T.Cast(dt, ACC[b, h, acc_row, acc_col] * scale)
 
     return convert.with_attr("global_symbol", "backward_dq_convert")
 

@@ -16,7 +16,11 @@ wgmma's swizzled layout, see `cuda_wgmma`). Per q-block, with keys as the M dime
     dQ += dS K                     dS^T goes to shared memory; each warpgroup computes
                                    D / warpgroups columns of dQ over all the CTA's keys and adds
                                    them to the fp32 accumulator, staged in shared memory, with
-                                   one bulk reduction (`cp.reduce.async.bulk .add.f32`) per row.
+                                   one bulk reduction (`cp.reduce.async.bulk .add.f32`) a step:
+                                   the accumulator keeps a warpgroup's columns apart (row-major
+                                   per column block, `dq_acc_layout`), so its rows are one run.
+                                   (Bulk operations issued by many threads of a warp run one
+                                   thread at a time: a reduction per row cost ~10% of the time.)
 A flex block mask's empty tiles are skipped without a step of their own: each warp tests the
 next 32 steps' tiles in the block map at once (a ballot) to find the next live step, and the
 mask_mod is evaluated only on its partial tiles.
@@ -37,7 +41,7 @@ from tvmflash.kernels.dropout import check_dropout_blocks
 from tvmflash.kernels.score_mods import TileAt, grad_from_output
 from tvmflash.spec import AttentionSpec
 
-from .cuda_backward import _check, _declare
+from .cuda_backward import DqAccLayout, _check, _declare
 from .cuda_mma import (QStepWalk, SequenceTiles, advance, batch_and_head, copy_row_stats, dropout_cols_t, dropped_ds,
                        locate_tile, transposed_probabilities)
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
@@ -58,6 +62,11 @@ def default_knobs(spec: AttentionSpec) -> dict:
     # dropout keeps P and P Z apart, which 128-query blocks' shared registers cannot
     wide = spec.head_dim <= 64 and "dropout" not in spec.variants
     return {**DEFAULTS, "bwd_wgmma_block_m": 128 if wide else 64}
+
+
+def dq_acc_layout(spec: AttentionSpec, knobs: dict) -> DqAccLayout:
+    """The dQ accumulator's layout: a column block per warpgroup, swizzled (see DqAccLayout)."""
+    return DqAccLayout(spec.head_dim, knobs["bwd_wgmma_warpgroups"], swizzle=True)
 
 
 def _fast_log2(x):
@@ -86,6 +95,7 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
     NQ8 = BM // 8          # n8 tiles of a warpgroup's S^T (64 keys x BM queries)
     ND = D // 8            # n8 tiles of dK / dV
     DQN = D // NWG         # dQ columns of one warpgroup
+    dq_layout = dq_acc_layout(spec, knobs)
     OP_S, OP_KV, OP_DQ = wgmma_op(dt, BM), wgmma_op(dt, D), wgmma_op(dt, DQN)
     # pool (elements): K | V | Q slots | dO slots | dS^T
     K_OFF, V_OFF = 0, BN * D
@@ -123,8 +133,8 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         kr = T.meta_var(tid // 32 * 16)            # this warp's key rows in the tile
         pool = T.alloc_buffer((POOL,), dt, scope="shared.dyn", align=ATOM_BYTES)
         stats = T.alloc_buffer((2, 2, BM), F32, scope="shared", align=16)  # [slot][lse2|delta][q]
-        # dQ staging per warpgroup, rows padded by 4 floats (16-byte rows, fewer bank conflicts)
-        stage = T.alloc_buffer((NWG, BM, DQN + 4), F32, scope="shared", align=16)
+        # dQ staging per warpgroup, in the accumulator's (swizzled) order: one bulk reduction a step
+        stage = T.alloc_buffer((NWG, BM * DQN), F32, scope="shared", align=128)
         desc_kmaj = T.alloc_local([1], "uint64")   # K-major operands (K, V as A; Q, dO as B)
         desc_q_mn = T.alloc_local([1], "uint64")   # MN-major BM-row tiles (Q, dO as B; dS^T as A)
         desc_k_mn = T.alloc_local([1], "uint64")   # MN-major BN-row tiles (K as B of dQ)
@@ -279,6 +289,8 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             T.ptx.wgmma.commit_group.sync.aligned()
             if with_dq:
                 # dQ = dS K over the CTA's keys, this warpgroup's DQN columns
+                if tid % 128 == 0:  # the previous step's reduction has read the staging tile
+                    T.ptx["cp.async.bulk.wait_group.read"](0)
                 T.ptx.fence.proxy.async_.shared__cta()
                 T.cuda.cta_sync()
                 T.ptx.wgmma.fence.sync.aligned()
@@ -289,23 +301,22 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 fence_registers(dp, MT * DQN // 2)
                 # the dQ tile goes through shared memory and is added to the accumulator by one
-                # bulk reduction per row (far fewer L2 operations than per-thread atomics)
-                if tid % 128 < BM:  # the previous step's reductions have read the staging tile
-                    T.ptx["cp.async.bulk.wait_group.read"](0)
-                T.ptx["bar.sync"](T.Cast("uint32", 1 + wg), T.uint32(128))  # this warpgroup only
+                # bulk reduction (far fewer L2 operations than per-thread atomics); the rows of
+                # this warpgroup's column block are one run there
                 for mt in T.unroll(MT):
                     for nt in T.unroll(DQN // 8):
                         for hh in T.unroll(2):
                             for e in T.unroll(2):
-                                stage[wg, mt * 64 + (tid % 128) // 32 * 16 + lane // 4 + hh * 8, nt * 8 + lane % 4 * 2 + e] = \
-                                    dp[(mt * DQN // 8 + nt) * 4 + hh * 2 + e]
+                                r = T.meta_var(mt * 64 + (tid % 128) // 32 * 16 + lane // 4 + hh * 8)
+                                # row q_start + q0 + r is q_start + lane // 4 mod 4 (q0, r - lane // 4: multiples of 8)
+                                unit = T.meta_var(dq_layout.unit(q_start + lane // 4, nt))
+                                stage[wg, r * DQN + unit * 8 + lane % 4 * 2 + e] = dp[(mt * DQN // 8 + nt) * 4 + hh * 2 + e]
                 T.ptx.fence.proxy.async_.shared__cta()
-                T.ptx["bar.sync"](T.Cast("uint32", 1 + wg), T.uint32(128))
-                if tid % 128 < BM:
-                    if q0 + tid % 128 < lq:
-                        T.ptx["cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"](
-                            DQ_ACC.ptr_to([b, h, q_start + q0 + tid % 128, wg * DQN]), stage.ptr_to([wg, tid % 128, 0]),
-                            T.uint32(DQN * 4))
+                T.ptx["bar.sync"](T.Cast("uint32", 1 + wg), T.uint32(128))  # this warpgroup only
+                if tid % 128 == 0:
+                    T.ptx["cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"](
+                        DQ_ACC.ptr_to([b, h] + dq_layout.row_start(LQ, wg, q_start + q0)), stage.ptr_to([wg, 0]),
+                        T.Cast("uint32", T.min(lq - q0, BM) * (DQN * 4)))
                     T.ptx["cp.async.bulk.commit_group"]()
             else:
                 T.ptx.wgmma.wait_group.sync.aligned(0)
@@ -323,7 +334,7 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             for j in T.serial(NJ):
                 step(j)
         if with_dq:
-            if tid % 128 < BM:
+            if tid % 128 == 0:
                 T.ptx["cp.async.bulk.wait_group"](0)
         for dd in T.unroll(ND):
             for hh in T.unroll(2):

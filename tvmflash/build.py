@@ -245,6 +245,8 @@ def _cuda_kernels(spec: AttentionSpec, arch: str, knobs: dict) -> dict:
     if knobs["bwd_wgmma"] and cuda_backward_wgmma.supports(spec, arch):
         for name, with_dq in (("backward_dkdv_dq", True), ("backward_dkdv", False)):
             kernels[name] = cuda_backward_wgmma.dkdv_kernel_wgmma(spec, knobs, with_dq)
+        kernels["backward_dq_convert"] = cuda_backward.dq_convert_kernel(
+            spec, cuda_backward_wgmma.dq_acc_layout(spec, knobs))
     return kernels
 
 
