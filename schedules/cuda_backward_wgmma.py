@@ -5,8 +5,9 @@ kernels stay those of `cuda_backward.py`. Head dims 64 and 128 take this kernel 
 
 Mapping: one CTA per (kv-block of 64 * warpgroups keys, batch * kv-head); each warpgroup owns
 64 keys. K and V stay in shared memory while the q-blocks (64 or 128 queries) of every query
-head of the GQA group stream past (Q, dO and the row stats double-buffered by `cp.async`, in
-wgmma's swizzled layout, see `cuda_wgmma`). Per q-block, with keys as the M dimension:
+head of the GQA group stream past (Q, dO and the row stats in a ring of three slots filled by
+`cp.async`, in wgmma's swizzled layout, see `cuda_wgmma`: step j + 2 loads while step j runs,
+so one CTA barrier a step suffices). Per q-block, with keys as the M dimension:
     S^T = K Q^T, dP^T = V dO^T     two smem x smem wgmma, in flight together (with 128-query
                                    blocks dP^T follows P^T in S^T's registers, and dS^T uses
                                    P^T in 16 bits: the registers would not hold both)
@@ -21,6 +22,8 @@ wgmma's swizzled layout, see `cuda_wgmma`). Per q-block, with keys as the M dime
                                    per column block, `dq_acc_layout`), so its rows are one run.
                                    (Bulk operations issued by many threads of a warp run one
                                    thread at a time: a reduction per row cost ~10% of the time.)
+                                   A warpgroup writes the next dS^T once the other's dQ product
+                                   has read this one (a named barrier, not a CTA barrier).
 A flex block mask's empty tiles are skipped without a step of their own: each warp tests the
 next 32 steps' tiles in the block map at once (a ballot) to find the next live step, and the
 mask_mod is evaluated only on its partial tiles.
@@ -97,11 +100,13 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
     DQN = D // NWG         # dQ columns of one warpgroup
     dq_layout = dq_acc_layout(spec, knobs)
     OP_S, OP_KV, OP_DQ = wgmma_op(dt, BM), wgmma_op(dt, D), wgmma_op(dt, DQN)
-    # pool (elements): K | V | Q slots | dO slots | dS^T
+    # pool (elements): K | V | Q slots | dO slots | dS^T; a ring of SLOTS q-blocks: step j + 2
+    # loads while j runs and j + 1's S^T is in flight
+    SLOTS = 3
     K_OFF, V_OFF = 0, BN * D
     Q_OFF = 2 * BN * D
-    DO_OFF = Q_OFF + 2 * BM * D
-    DS_OFF = DO_OFF + 2 * BM * D
+    DO_OFF = Q_OFF + SLOTS * BM * D
+    DS_OFF = DO_OFF + SLOTS * BM * D
     POOL = DS_OFF + BN * BM  # dS^T: MT column blocks of BN keys x 64 queries
 
     shape = Shape.fresh()
@@ -132,7 +137,7 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         bs, q_start, k_start, k0, lq, lk, tscore = T.meta_var(tiles.where(seq, T.Cast("int64", bx), b))
         kr = T.meta_var(tid // 32 * 16)            # this warp's key rows in the tile
         pool = T.alloc_buffer((POOL,), dt, scope="shared.dyn", align=ATOM_BYTES)
-        stats = T.alloc_buffer((2, 2, BM), F32, scope="shared", align=16)  # [slot][lse2|delta][q]
+        stats = T.alloc_buffer((SLOTS, 2, BM), F32, scope="shared", align=16)  # [slot][lse2|delta][q]
         # dQ staging per warpgroup, in the accumulator's (swizzled) order: one bulk reduction a step
         stage = T.alloc_buffer((NWG, BM * DQN), F32, scope="shared", align=128)
         desc_kmaj = T.alloc_local([1], "uint64")   # K-major operands (K, V as A; Q, dO as B)
@@ -151,8 +156,9 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         pool_w = pool.view("uint32")
         walk = T.meta_var(QStepWalk(tscore, k0, T.min(k0 + BN, lk), BM, hk, G))
         NJ = T.meta_var(T.Select(k0 < lk, walk.count, T.int64(0)))  # a packed tile may have no rows
-        cur = T.alloc_local([2], "int64")  # this step and the next one
+        cur = T.alloc_local([2], "int64")  # this step and the next two
         nxt = T.alloc_local([2], "int64")
+        nxt2 = T.alloc_local([2], "int64")
         at = T.meta_var(lambda st: TileAt(bs, walk.head(st), (BM, BN)))
         seek_pos = T.alloc_local([1], "int32")
         seek_hits = T.alloc_local([1], "uint32")
@@ -193,20 +199,43 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             copy_row_stats(stats, slot, LSE2, DELTA, b, h, q_start + q0, BM, q_start + lq, tid, NT)
 
         @T.inline
-        def sync_loads():
-            T.ptx["cp.async.wait_group"](0)
-            # cp.async wrote through the generic proxy; wgmma reads through the async one
-            T.ptx.fence.proxy.async_.shared__cta()
-            T.cuda.cta_sync()
+        def find_after(st, after):
+            # after -> the step after st (the next one the block mask keeps)
+            advance(walk, st, after)
+            if sparse:
+                seek(after)
 
+        @T.inline
+        def issue_s(slot):  # S^T = K Q^T
+            T.ptx.wgmma.fence.sync.aligned()
+            gemm_ss_kmajor(OP_S, s, NQ8 * 4, desc_kmaj, K_OFF + wg * 64 * 64, BN, Q_OFF + slot * BM * D, BM, D)
+            T.ptx.wgmma.commit_group.sync.aligned()
+
+        @T.inline
+        def issue_dp(slot):  # dP^T = V dO^T
+            T.ptx.wgmma.fence.sync.aligned()
+            gemm_ss_kmajor(OP_S, dp, NQ8 * 4, desc_kmaj, V_OFF + wg * 64 * 64, BN, DO_OFF + slot * BM * D, BM, D)
+            T.ptx.wgmma.commit_group.sync.aligned()
+
+        @T.inline
+        def dst_read():
+            # this warpgroup is done reading dS^T (named barrier 3 + wg; the other warpgroup
+            # waits on it before writing the next dS^T; one arrival per step with a next step)
+            T.ptx["bar.arrive"](T.Cast("uint32", 3 + wg), T.uint32(NT))
+
+        has_cur = T.meta_var((cur[0] < G) if sparse else (NJ > 0))
         cur[0] = T.int64(0)
         cur[1] = T.int64(0)
         if sparse:
             seek(cur)
-        if (cur[0] < G) if sparse else (NJ > 0):
+        if has_cur:
             copy_rows_sw128(pool, K_OFF, K, b, hk, k_start + k0, BN, k_start + lk, D, tid, NT)
             copy_rows_sw128(pool, V_OFF, V, b, hk, k_start + k0, BN, k_start + lk, D, tid, NT)
             load_step(cur, 0)
+        T.ptx["cp.async.commit_group"]()
+        find_after(cur, nxt)
+        if (nxt[0] < G) if sparse else (NJ > 1):
+            load_step(nxt, 1)
         T.ptx["cp.async.commit_group"]()
         encode_desc(desc_kmaj, pool, 16, ATOM_BYTES)
         encode_desc(desc_q_mn, pool, BM * 128, ATOM_BYTES)
@@ -214,36 +243,28 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         for i in T.unroll(ND * 4):
             dk[i] = T.float32(0)
             dv[i] = T.float32(0)
-
-        @T.inline
-        def prefetch_next(j):
-            # the next step's q-block into the other slot
-            advance(walk, cur, nxt)
-            if sparse:
-                seek(nxt)
-            if (nxt[0] < G) if sparse else (j + 1 < NJ):
-                load_step(nxt, (j + 1) % 2)
-            T.ptx["cp.async.commit_group"]()
+        T.ptx["cp.async.wait_group"](1)
+        # cp.async wrote through the generic proxy; wgmma reads through the async one
+        T.ptx.fence.proxy.async_.shared__cta()
+        T.cuda.cta_sync()
+        if with_dq and NWG > 1:
+            if has_cur:
+                dst_read()  # dS^T is free for step 0
 
         @T.inline
         def step(j):
-            slot = T.meta_var(j % 2)
+            # step j's q-block is in its slot; step j + 1's has been loading since step j - 1
+            # (wgmma products are issued and waited for within a step: ptxas serializes every
+            # wgmma of a kernel where one is in flight across the loop's back edge)
+            slot = T.meta_var(j % SLOTS)
             h = T.meta_var(walk.head(cur))
             q0 = T.meta_var(walk.q0(cur))
             q_tile = T.meta_var(Q_OFF + slot * BM * D)
             do_tile = T.meta_var(DO_OFF + slot * BM * D)
-            sync_loads()
-            if not sparse:
-                prefetch_next(j)
-            # S^T = K Q^T and dP^T = V dO^T
-            T.ptx.wgmma.fence.sync.aligned()
-            gemm_ss_kmajor(OP_S, s, NQ8 * 4, desc_kmaj, K_OFF + wg * 64 * 64, BN, q_tile, BM, D)
-            T.ptx.wgmma.commit_group.sync.aligned()
+            has_next = T.meta_var((nxt[0] < G) if sparse else (j + 1 < NJ))
+            issue_s(slot)
             if not LOW_REG:
-                gemm_ss_kmajor(OP_S, dp, NQ8 * 4, desc_kmaj, V_OFF + wg * 64 * 64, BN, do_tile, BM, D)
-                T.ptx.wgmma.commit_group.sync.aligned()
-            if sparse:  # the search for the next live step runs while the tensor cores work
-                prefetch_next(j)
+                issue_dp(slot)
             T.ptx.wgmma.wait_group.sync.aligned(0 if LOW_REG else 1)
             fence_registers(s, NQ8 * 4)
             if tscore.tile_unmasked(q0, q0 + BM, k0, k0 + BN, at(cur)):
@@ -258,8 +279,7 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             gemm_rs_mnmajor(OP_KV, dv, ND * 4, pw, 0, desc_q_mn, do_tile, BM)
             T.ptx.wgmma.commit_group.sync.aligned()
             if LOW_REG:
-                gemm_ss_kmajor(OP_S, dp, NQ8 * 4, desc_kmaj, V_OFF + wg * 64 * 64, BN, do_tile, BM, D)
-                T.ptx.wgmma.commit_group.sync.aligned()
+                issue_dp(slot)
             T.ptx.wgmma.wait_group.sync.aligned(0 if LOW_REG else 1)
             fence_registers(dp, NQ8 * 4)
             # dS^T = P^T (dP^T - delta); dK += dS^T Q (x scale at the end)
@@ -276,8 +296,11 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
                         ds[idx] = T.Cast(dt, T.Select(prob != T.float32(0), grad * score.grad_of_output(capped),
                                                       T.float32(0)))
             if with_dq:
-                # dS^T to shared memory (one swizzled column block, keys as rows) for dQ; before
-                # the dK product reads the same registers asynchronously
+                # dS^T to shared memory (one swizzled column block, keys as rows) for dQ, once
+                # the other warpgroup's dQ product of the step before has read it; before the
+                # dK product reads the same registers asynchronously
+                if NWG > 1:
+                    T.ptx["bar.sync"](T.Cast("uint32", 4 - wg), T.uint32(NT))  # the other's dst_read
                 for nt in T.unroll(NQ8):
                     for hh in T.unroll(2):
                         key = T.meta_var(kr + lane // 4 + hh * 8)
@@ -287,19 +310,33 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             T.ptx.wgmma.fence.sync.aligned()
             gemm_rs_mnmajor(OP_KV, dk, ND * 4, dsw, 0, desc_q_mn, q_tile, BM)
             T.ptx.wgmma.commit_group.sync.aligned()
+            # one CTA barrier a step: step j + 1's q-block has landed (and is visible to wgmma),
+            # dS^T is written, and every warpgroup is done with step j - 1's slot
+            T.ptx["cp.async.wait_group"](0)
             if with_dq:
-                # dQ = dS K over the CTA's keys, this warpgroup's DQN columns
                 if tid % 128 == 0:  # the previous step's reduction has read the staging tile
                     T.ptx["cp.async.bulk.wait_group.read"](0)
-                T.ptx.fence.proxy.async_.shared__cta()
-                T.cuda.cta_sync()
+            T.ptx.fence.proxy.async_.shared__cta()
+            T.cuda.cta_sync()
+            find_after(nxt, nxt2)
+            if (nxt2[0] < G) if sparse else (j + 2 < NJ):
+                load_step(nxt2, (j + 2) % SLOTS)
+            T.ptx["cp.async.commit_group"]()
+            if with_dq:
+                # dQ = dS K over the CTA's keys, this warpgroup's DQN columns
                 T.ptx.wgmma.fence.sync.aligned()
                 for mt in T.unroll(MT):
                     gemm_ss_mnmajor(OP_DQ, dp, mt * DQN // 2, DQN // 2, desc_q_mn, DS_OFF + mt * BN * 64, desc_k_mn,
                                     K_OFF + wg * DQN // 64 * (BN * 64) + wg * DQN % 64, BN)
                 T.ptx.wgmma.commit_group.sync.aligned()
-                T.ptx.wgmma.wait_group.sync.aligned(0)
+            # the next step's S^T runs under the dQ tile's staging (LOW_REG: S^T's registers
+            # hold the dQ tile until it is staged)
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            if with_dq:
                 fence_registers(dp, MT * DQN // 2)
+                if NWG > 1:
+                    if has_next:
+                        dst_read()
                 # the dQ tile goes through shared memory and is added to the accumulator by one
                 # bulk reduction (far fewer L2 operations than per-thread atomics); the rows of
                 # this warpgroup's column block are one run there
@@ -318,12 +355,12 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
                         DQ_ACC.ptr_to([b, h] + dq_layout.row_start(LQ, wg, q_start + q0)), stage.ptr_to([wg, 0]),
                         T.Cast("uint32", T.min(lq - q0, BM) * (DQN * 4)))
                     T.ptx["cp.async.bulk.commit_group"]()
-            else:
-                T.ptx.wgmma.wait_group.sync.aligned(0)
             fence_registers(dk, ND * 4)
             fence_registers(dv, ND * 4)
             cur[0] = nxt[0]
             cur[1] = nxt[1]
+            nxt[0] = nxt2[0]
+            nxt[1] = nxt2[1]
 
         if sparse:
             live_steps[0] = T.int64(0)
