@@ -46,7 +46,7 @@ from tvmflash.spec import AttentionSpec
 
 from .cuda_backward import DqAccLayout, _check, _declare
 from .cuda_mma import (QStepWalk, SequenceTiles, advance, batch_and_head, copy_row_stats, dropout_cols_t, dropped_ds,
-                       locate_tile, transposed_probabilities)
+                       locate_tile, thread_row_stats, transposed_probabilities)
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
                          gemm_ss_kmajor, gemm_ss_mnmajor, wgmma_op)
 
@@ -126,8 +126,12 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         drop = T.meta_var(score.dropout)
         bx, bh = T.cta_id([T.Cast("int32", tiles.count), T.Cast("int32", B * HK)])
         tid = T.thread_id([NT])
-        b, hk = T.meta_var(batch_and_head(bh, HK))
-        G = T.meta_var(tirx.truncdiv(H, HK))
+        # batch, kv-head and group size in registers: the loop would redo their divisions
+        bhg = T.alloc_local([3], "int64")
+        bhg[0] = batch_and_head(bh, HK)[0]
+        bhg[1] = batch_and_head(bh, HK)[1]
+        bhg[2] = tirx.truncdiv(H, HK)
+        b, hk, G = T.meta_var((bhg[0], bhg[1], bhg[2]))
         lane = T.meta_var(tid % 32)
         wg = T.meta_var(tid // 128)
         seq = T.alloc_local([tiles.registers()], "int64")
@@ -150,12 +154,15 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         ds_own = T.alloc_local([1 if LOW_REG else NQ8 * 4], dt)
         ds = T.meta_var(p if LOW_REG else ds_own)
         dk = T.alloc_local([ND * 4], F32)
+        row_stat = T.alloc_local([NQ8 * 2], F32)  # lse2, then delta, of this thread's query columns
         dv = T.alloc_local([ND * 4], F32)
         pw = p.view("uint32")
         dsw = ds.view("uint32")
         pool_w = pool.view("uint32")
         walk = T.meta_var(QStepWalk(tscore, k0, T.min(k0 + BN, lk), BM, hk, G))
-        NJ = T.meta_var(T.Select(k0 < lk, walk.count, T.int64(0)))  # a packed tile may have no rows
+        steps = T.alloc_local([1], "int64")
+        steps[0] = T.Select(k0 < lk, walk.count, T.int64(0))  # a packed tile may have no rows
+        NJ = T.meta_var(steps[0])
         cur = T.alloc_local([2], "int64")  # this step and the next two
         nxt = T.alloc_local([2], "int64")
         nxt2 = T.alloc_local([2], "int64")
@@ -265,12 +272,15 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             issue_s(slot)
             if not LOW_REG:
                 issue_dp(slot)
+            thread_row_stats(row_stat, stats, slot, 0, NQ8, lane)
             T.ptx.wgmma.wait_group.sync.aligned(0 if LOW_REG else 1)
             fence_registers(s, NQ8 * 4)
             if tscore.tile_unmasked(q0, q0 + BM, k0, k0 + BN, at(cur)):
-                transposed_probabilities(s, p, stats, slot, NQ8, tscore, scale, bs, h, q0, k0 + kr, lane, False)
+                transposed_probabilities(s, p, stats, slot, NQ8, tscore, scale, bs, h, q0, k0 + kr, lane, False,
+                                         lse2=row_stat)
             else:
-                transposed_probabilities(s, p, stats, slot, NQ8, tscore, scale, bs, h, q0, k0 + kr, lane, True)
+                transposed_probabilities(s, p, stats, slot, NQ8, tscore, scale, bs, h, q0, k0 + kr, lane, True,
+                                         lse2=row_stat)
             if drop is not None:  # dV takes P Z; s keeps P with Z in its sign
                 dropout_cols_t(s, p, drop, NQ8, b, h, q0, k0 + kr, lane)
             # dV += P^T dO
@@ -280,6 +290,7 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             T.ptx.wgmma.commit_group.sync.aligned()
             if LOW_REG:
                 issue_dp(slot)
+            thread_row_stats(row_stat, stats, slot, 1, NQ8, lane)
             T.ptx.wgmma.wait_group.sync.aligned(0 if LOW_REG else 1)
             fence_registers(dp, NQ8 * 4)
             # dS^T = P^T (dP^T - delta); dK += dS^T Q (x scale at the end)
@@ -288,7 +299,7 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
                     idx = T.meta_var(nt * 4 + i)
                     prob = T.meta_var(T.Cast(F32, p[idx]) if LOW_REG else s[idx])
                     qc = T.meta_var(nt * 8 + lane % 4 * 2 + i % 2)
-                    grad = T.meta_var(dropped_ds(drop, prob, dp[idx], stats[slot, 1, qc]))
+                    grad = T.meta_var(dropped_ds(drop, prob, dp[idx], row_stat[nt * 2 + i % 2]))
                     if score.unit_grad:
                         ds[idx] = T.Cast(dt, grad)
                     else:  # softcap: its factor from the capped score, log2(P) + lse2 (in log2 units)

@@ -336,23 +336,35 @@ def copy_row_stats(stats, slot, lse2, delta, b, h, q0, nrows, limit, tid, nthrea
 
 
 @T.inline
-def transposed_probabilities(s, p, stats, slot, nq8, score, scale, b, h, q0, key0, lane, masked, gs=None):
+def transposed_probabilities(s, p, stats, slot, nq8, score, scale, b, h, q0, key0, lane, masked, gs=None,
+                             lse2=None):
     """Scores S^T in s (rows keys from key0, nq8 n8 tiles of queries from q0) -> P^T =
     exp2(S^T scale log2e - lse2[query]) in s (fp32) and p (its 16-bit type); `gs` (modifiers
-    whose gradient is not 1) takes d modified score / d score of each."""
+    whose gradient is not 1) takes d modified score / d score of each. lse2[query] from
+    stats[slot, 0], or from `lse2` (registers filled by `thread_row_stats`)."""
     for nt in T.unroll(nq8):
         for hh in T.unroll(2):
             for e in T.unroll(2):
                 idx = T.meta_var(nt * 4 + hh * 2 + e)
                 qc = T.meta_var(nt * 8 + lane % 4 * 2 + e)
                 ix = T.meta_var(ScoreIndex(b, h, q0 + qc, key0 + lane // 4 + hh * 8))
+                row_lse2 = T.meta_var(stats[slot, 0, qc] if lse2 is None else lse2[nt * 2 + e])
                 if gs is not None:
                     gs[idx] = score.grad(s[idx] * scale, ix)
                 if masked or score.changes_values:
-                    exp2_into(s[idx], score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - stats[slot, 0, qc])
+                    exp2_into(s[idx], score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - row_lse2)
                 else:
-                    exp2_into(s[idx], s[idx] * (scale * T.float32(LOG2E)) - stats[slot, 0, qc])
+                    exp2_into(s[idx], s[idx] * (scale * T.float32(LOG2E)) - row_lse2)
                 p[idx] = T.Cast(p.dtype, s[idx])
+
+
+@T.inline
+def thread_row_stats(dst, stats, slot, which, nq8, lane):
+    """stats[slot, which] (0: lse2, 1: delta) of this thread's query columns in S^T fragments
+    into dst[nt * 2 + e]: read ahead of a wgmma wait, the shared-memory latency hides under it."""
+    for nt in T.unroll(nq8):
+        for e in T.unroll(2):
+            dst[nt * 2 + e] = stats[slot, which, nt * 8 + lane % 4 * 2 + e]
 
 
 @T.inline
