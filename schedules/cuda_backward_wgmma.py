@@ -147,14 +147,19 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         desc_kmaj = T.alloc_local([1], "uint64")   # K-major operands (K, V as A; Q, dO as B)
         desc_q_mn = T.alloc_local([1], "uint64")   # MN-major BM-row tiles (Q, dO as B; dS^T as A)
         desc_k_mn = T.alloc_local([1], "uint64")   # MN-major BN-row tiles (K as B of dQ)
-        s = T.alloc_local([max(NQ8 * 4, MT * DQN // 2)], F32)
+        s = T.alloc_local([NQ8 * 4], F32)
         dp_own = T.alloc_local([1 if LOW_REG else max(NQ8 * 4, MT * DQN // 2)], F32)
-        dp = T.meta_var(s if LOW_REG else dp_own)  # dP^T, then the dQ accumulator
+        dp = T.meta_var(s if LOW_REG else dp_own)  # dP^T, then (not LOW_REG) the dQ accumulator
+        # (LOW_REG: the dQ tile in S^T's registers made ptxas serialize every wgmma)
+        dq_own = T.alloc_local([MT * DQN // 2 if LOW_REG else 1], F32)
+        dq = T.meta_var(dq_own if LOW_REG else dp)
         p = T.alloc_local([NQ8 * 4], dt)
         ds_own = T.alloc_local([1 if LOW_REG else NQ8 * 4], dt)
         ds = T.meta_var(p if LOW_REG else ds_own)
         dk = T.alloc_local([ND * 4], F32)
-        row_stat = T.alloc_local([NQ8 * 2], F32)  # lse2, then delta, of this thread's query columns
+        # lse2, then delta, of this thread's query columns, read ahead of the wgmma waits (LOW_REG:
+        # no registers to spare, read where used)
+        row_stat = T.alloc_local([1 if LOW_REG else NQ8 * 2], F32)
         dv = T.alloc_local([ND * 4], F32)
         pw = p.view("uint32")
         dsw = ds.view("uint32")
@@ -272,15 +277,16 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             issue_s(slot)
             if not LOW_REG:
                 issue_dp(slot)
-            thread_row_stats(row_stat, stats, slot, 0, NQ8, lane)
+            if not LOW_REG:
+                thread_row_stats(row_stat, stats, slot, 0, NQ8, lane)
             T.ptx.wgmma.wait_group.sync.aligned(0 if LOW_REG else 1)
             fence_registers(s, NQ8 * 4)
             if tscore.tile_unmasked(q0, q0 + BM, k0, k0 + BN, at(cur)):
                 transposed_probabilities(s, p, stats, slot, NQ8, tscore, scale, bs, h, q0, k0 + kr, lane, False,
-                                         lse2=row_stat)
+                                         lse2=None if LOW_REG else row_stat)
             else:
                 transposed_probabilities(s, p, stats, slot, NQ8, tscore, scale, bs, h, q0, k0 + kr, lane, True,
-                                         lse2=row_stat)
+                                         lse2=None if LOW_REG else row_stat)
             if drop is not None:  # dV takes P Z; s keeps P with Z in its sign
                 dropout_cols_t(s, p, drop, NQ8, b, h, q0, k0 + kr, lane)
             # dV += P^T dO
@@ -290,7 +296,8 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             T.ptx.wgmma.commit_group.sync.aligned()
             if LOW_REG:
                 issue_dp(slot)
-            thread_row_stats(row_stat, stats, slot, 1, NQ8, lane)
+            if not LOW_REG:
+                thread_row_stats(row_stat, stats, slot, 1, NQ8, lane)
             T.ptx.wgmma.wait_group.sync.aligned(0 if LOW_REG else 1)
             fence_registers(dp, NQ8 * 4)
             # dS^T = P^T (dP^T - delta); dK += dS^T Q (x scale at the end)
@@ -299,7 +306,8 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
                     idx = T.meta_var(nt * 4 + i)
                     prob = T.meta_var(T.Cast(F32, p[idx]) if LOW_REG else s[idx])
                     qc = T.meta_var(nt * 8 + lane % 4 * 2 + i % 2)
-                    grad = T.meta_var(dropped_ds(drop, prob, dp[idx], row_stat[nt * 2 + i % 2]))
+                    delta = T.meta_var(stats[slot, 1, qc] if LOW_REG else row_stat[nt * 2 + i % 2])
+                    grad = T.meta_var(dropped_ds(drop, prob, dp[idx], delta))
                     if score.unit_grad:
                         ds[idx] = T.Cast(dt, grad)
                     else:  # softcap: its factor from the capped score, log2(P) + lse2 (in log2 units)
@@ -337,14 +345,14 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
                 # dQ = dS K over the CTA's keys, this warpgroup's DQN columns
                 T.ptx.wgmma.fence.sync.aligned()
                 for mt in T.unroll(MT):
-                    gemm_ss_mnmajor(OP_DQ, dp, mt * DQN // 2, DQN // 2, desc_q_mn, DS_OFF + mt * BN * 64, desc_k_mn,
+                    gemm_ss_mnmajor(OP_DQ, dq, mt * DQN // 2, DQN // 2, desc_q_mn, DS_OFF + mt * BN * 64, desc_k_mn,
                                     K_OFF + wg * DQN // 64 * (BN * 64) + wg * DQN % 64, BN)
                 T.ptx.wgmma.commit_group.sync.aligned()
             # the next step's S^T runs under the dQ tile's staging (LOW_REG: S^T's registers
             # hold the dQ tile until it is staged)
             T.ptx.wgmma.wait_group.sync.aligned(0)
             if with_dq:
-                fence_registers(dp, MT * DQN // 2)
+                fence_registers(dq, MT * DQN // 2)
                 if NWG > 1:
                     if has_next:
                         dst_read()
@@ -358,7 +366,7 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
                                 r = T.meta_var(mt * 64 + (tid % 128) // 32 * 16 + lane // 4 + hh * 8)
                                 # row q_start + q0 + r is q_start + lane // 4 mod 4 (q0, r - lane // 4: multiples of 8)
                                 unit = T.meta_var(dq_layout.unit(q_start + lane // 4, nt))
-                                stage[wg, r * DQN + unit * 8 + lane % 4 * 2 + e] = dp[(mt * DQN // 8 + nt) * 4 + hh * 2 + e]
+                                stage[wg, r * DQN + unit * 8 + lane % 4 * 2 + e] = dq[(mt * DQN // 8 + nt) * 4 + hh * 2 + e]
                 T.ptx.fence.proxy.async_.shared__cta()
                 T.ptx["bar.sync"](T.Cast("uint32", 1 + wg), T.uint32(128))  # this warpgroup only
                 if tid % 128 == 0:
