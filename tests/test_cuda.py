@@ -81,6 +81,32 @@ def test_hopper_kernels_run_on_wgmma_where_they_take_the_spec():
         assert uses_wgmma(specs[name], "sm_90a") == kernels, name
 
 
+@needs_compiler
+@pytest.mark.parametrize("head_dim,parts,swizzle", [(96, 1, False), (64, 2, True), (128, 2, True), (128, 1, True)])
+def test_dq_accumulator_layout_is_a_permutation_with_a_run_per_block_row(head_dim, parts, swizzle):
+    # every dQ element gets its own place in the (LQ, D) accumulator, and a column block's rows
+    # are one run (the wgmma backward adds a warpgroup's rows with one bulk reduction)
+    import tvm
+    from tvmflash.schedules.cuda_backward import DqAccLayout
+
+    layout, lq, analyzer = DqAccLayout(head_dim, parts, swizzle), 13, tvm.sym.Analyzer()
+
+    def flat(index):
+        r, c = (int(analyzer.simplify(tvm.tirx.const(0, "int64") + x)) for x in index)
+        assert 0 <= r < lq and 0 <= c < head_dim
+        return r * head_dim + c
+
+    places = {(row, col): flat(layout.index(lq, row, col)) for row in range(lq) for col in range(head_dim)}
+    assert sorted(places.values()) == list(range(lq * head_dim))
+    for part in range(parts):
+        for row in range(lq):
+            start = flat(layout.row_start(lq, part, row))
+            cols = range(part * layout.cols, (part + 1) * layout.cols)
+            assert sorted(places[row, c] for c in cols) == list(range(start, start + layout.cols))
+            if row + 1 < lq:
+                assert flat(layout.row_start(lq, part, row + 1)) == start + layout.cols
+
+
 @needs_nvcc
 def test_cuda_module_builds_for_sm80(tmp_path):
     from tvmflash.build import build_module, cuda_target
