@@ -396,7 +396,7 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             for hh in T.unroll(2):
                 key = T.meta_var(k0 + kr + lane // 4 + hh * 8)
                 if key < lk:
-                    for e in T.unroll(2):
+                    for e in T.vectorized(2):
                         DK[b, hk, k_start + key, dd * 8 + lane % 4 * 2 + e] = T.Cast(
                             dt, dk[dd * 4 + hh * 2 + e] * scale)
                         DV[b, hk, k_start + key, dd * 8 + lane % 4 * 2 + e] = T.Cast(dt, dv[dd * 4 + hh * 2 + e])

@@ -283,7 +283,9 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             if warp == 0 and r0 + r < G * LQ:
                 for dd in T.unroll(ND):
                     for e in T.unroll(2):
-                        value = T.meta_var(T.Select(l[hh] == T.float32(0), T.float32(0), o[dd * 4 + hh * 2 + e] / l[hh]))
+                        # (times one reciprocal a row: a division per element is an IEEE division)
+                        value = T.meta_var(o[dd * 4 + hh * 2 + e] * T.Select(l[hh] == T.float32(0), T.float32(0),
+                                                                             T.float32(1) / l[hh]))
                         if S == 1:
                             O_FINAL[b, head(r), qi(r), dd * 8 + lane % 4 * 2 + e] = T.Cast(dt, value)
                         else:
