@@ -214,40 +214,15 @@ def _build_cpu(spec: AttentionSpec, target: dict, knobs: dict | None = None, onl
     return tvm.compile(sch.mod, target=tvm.target.Target(target))
 
 
-def cuda_default_knobs(spec: AttentionSpec) -> dict:
-    from .schedules import cuda_backward, cuda_backward_wgmma, cuda_decode, cuda_forward, cuda_forward_wgmma
-
-    return {**cuda_forward.default_knobs(spec), **cuda_forward_wgmma.default_knobs(spec),
-            **cuda_backward.default_knobs(spec), **cuda_backward_wgmma.default_knobs(spec), **cuda_decode.DEFAULTS}
-
-
 def cuda_kernels(spec: AttentionSpec, arch: str, knobs: dict | None = None) -> dict:
-    """Every CUDA kernel of `spec` by module function name: the Hopper (wgmma) kernels on
-    sm_90a where they take the spec, the mma.sync ones otherwise. `knobs` override the
-    tuned/default ones (tuning candidates)."""
+    """Every CUDA kernel of `spec` by module function name (schedules/cuda_kernels.py chooses
+    them). `knobs` override the tuned/default ones (tuning candidates)."""
     from .kernels.score_mods import math_target
+    from .schedules import cuda_kernels as kernels
 
-    knobs = {**cuda_default_knobs(spec), **tuned_knobs("cuda", spec), **(knobs or {})}
+    knobs = {**kernels.default_knobs(spec), **tuned_knobs("cuda", spec), **(knobs or {})}
     with math_target("cuda"):
-        return _cuda_kernels(spec, arch, knobs)
-
-
-def _cuda_kernels(spec: AttentionSpec, arch: str, knobs: dict) -> dict:
-    from .schedules import cuda_backward, cuda_backward_wgmma, cuda_decode, cuda_forward, cuda_forward_wgmma
-
-    if spec.kv_cache:
-        return {"decode": cuda_decode.decode_kernel_cuda(spec, knobs)}
-    kernels = cuda_backward.backward_kernels_cuda(spec, knobs, arch)
-    if knobs["forward_wgmma"] and cuda_forward_wgmma.supports(spec, arch, knobs):
-        kernels["forward"] = cuda_forward_wgmma.forward_kernel_wgmma(spec, knobs)
-    else:
-        kernels["forward"] = cuda_forward.forward_kernel_cuda(spec, knobs)
-    if knobs["bwd_wgmma"] and cuda_backward_wgmma.supports(spec, arch):
-        for name, with_dq in (("backward_dkdv_dq", True), ("backward_dkdv", False)):
-            kernels[name] = cuda_backward_wgmma.dkdv_kernel_wgmma(spec, knobs, with_dq)
-        kernels["backward_dq_convert"] = cuda_backward.dq_convert_kernel(
-            spec, cuda_backward_wgmma.dq_acc_layout(spec, knobs))
-    return kernels
+        return kernels.kernels(spec, arch, knobs)
 
 
 def _build_cuda(spec: AttentionSpec, target: dict, knobs: dict | None = None):
