@@ -235,18 +235,19 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             # waits on it before writing the next dS^T; one arrival per step with a next step)
             T.ptx["bar.arrive"](T.Cast("uint32", 3 + wg), T.uint32(NT))
 
-        has_cur = T.meta_var((cur[0] < G) if sparse else (NJ > 0))
+        # whether step `st` (the j-th) exists: a block mask's walk ends past the last head
+        exists = T.meta_var(lambda st, j: (st[0] < G) if sparse else (j < NJ))
         cur[0] = T.int64(0)
         cur[1] = T.int64(0)
         if sparse:
             seek(cur)
-        if has_cur:
+        if exists(cur, 0):
             copy_rows_sw128(pool, K_OFF, K, b, hk, k_start + k0, BN, k_start + lk, D, tid, NT)
             copy_rows_sw128(pool, V_OFF, V, b, hk, k_start + k0, BN, k_start + lk, D, tid, NT)
             load_step(cur, 0)
         T.ptx["cp.async.commit_group"]()
         find_after(cur, nxt)
-        if (nxt[0] < G) if sparse else (NJ > 1):
+        if exists(nxt, 1):
             load_step(nxt, 1)
         T.ptx["cp.async.commit_group"]()
         encode_desc(desc_kmaj, pool, 16, ATOM_BYTES)
@@ -260,7 +261,7 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         T.ptx.fence.proxy.async_.shared__cta()
         T.cuda.cta_sync()
         if with_dq and NWG > 1:
-            if has_cur:
+            if exists(cur, 0):
                 dst_read()  # dS^T is free for step 0
 
         @T.inline
@@ -273,11 +274,9 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             q0 = T.meta_var(walk.q0(cur))
             q_tile = T.meta_var(Q_OFF + slot * BM * D)
             do_tile = T.meta_var(DO_OFF + slot * BM * D)
-            has_next = T.meta_var((nxt[0] < G) if sparse else (j + 1 < NJ))
             issue_s(slot)
             if not LOW_REG:
                 issue_dp(slot)
-            if not LOW_REG:
                 thread_row_stats(row_stat, stats, slot, 0, NQ8, lane)
             T.ptx.wgmma.wait_group.sync.aligned(0 if LOW_REG else 1)
             fence_registers(s, NQ8 * 4)
@@ -296,7 +295,7 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             T.ptx.wgmma.commit_group.sync.aligned()
             if LOW_REG:
                 issue_dp(slot)
-            if not LOW_REG:
+            else:
                 thread_row_stats(row_stat, stats, slot, 1, NQ8, lane)
             T.ptx.wgmma.wait_group.sync.aligned(0 if LOW_REG else 1)
             fence_registers(dp, NQ8 * 4)
@@ -338,7 +337,7 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             T.ptx.fence.proxy.async_.shared__cta()
             T.cuda.cta_sync()
             find_after(nxt, nxt2)
-            if (nxt2[0] < G) if sparse else (j + 2 < NJ):
+            if exists(nxt2, j + 2):
                 load_step(nxt2, (j + 2) % SLOTS)
             T.ptx["cp.async.commit_group"]()
             if with_dq:
@@ -348,13 +347,11 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
                     gemm_ss_mnmajor(OP_DQ, dq, mt * DQN // 2, DQN // 2, desc_q_mn, DS_OFF + mt * BN * 64, desc_k_mn,
                                     K_OFF + wg * DQN // 64 * (BN * 64) + wg * DQN % 64, BN)
                 T.ptx.wgmma.commit_group.sync.aligned()
-            # the next step's S^T runs under the dQ tile's staging (LOW_REG: S^T's registers
-            # hold the dQ tile until it is staged)
             T.ptx.wgmma.wait_group.sync.aligned(0)
             if with_dq:
                 fence_registers(dq, MT * DQN // 2)
                 if NWG > 1:
-                    if has_next:
+                    if exists(nxt, j + 1):
                         dst_read()
                 # the dQ tile goes through shared memory and is added to the accumulator by one
                 # bulk reduction (far fewer L2 operations than per-thread atomics); the rows of

@@ -45,7 +45,7 @@ from tvmflash.spec import DECODE_ROWS as ROWS
 from tvmflash.spec import AttentionSpec
 
 from .cuda_mma import (CP_ASYNC, LN2, PAD, copy_tile, load_a, load_b, load_b_trans, mma_16x16, mma_op, rescale_rows,
-                       smem_scope, softmax_tile, to_a_fragments)
+                       row_reciprocal, smem_scope, softmax_tile, to_a_fragments)
 
 DEFAULTS = {"decode_block_n": 32, "decode_warps": 1, "decode_stages": 3, "decode_l2_prefetch": 256}
 
@@ -283,9 +283,7 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             if warp == 0 and r0 + r < G * LQ:
                 for dd in T.unroll(ND):
                     for e in T.unroll(2):
-                        # (times one reciprocal a row: a division per element is an IEEE division)
-                        value = T.meta_var(o[dd * 4 + hh * 2 + e] * T.Select(l[hh] == T.float32(0), T.float32(0),
-                                                                             T.float32(1) / l[hh]))
+                        value = T.meta_var(o[dd * 4 + hh * 2 + e] * row_reciprocal(l[hh]))
                         if S == 1:
                             O_FINAL[b, head(r), qi(r), dd * 8 + lane % 4 * 2 + e] = T.Cast(dt, value)
                         else:

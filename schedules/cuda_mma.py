@@ -298,6 +298,13 @@ def rescale_rows(o, alpha, n_mt, nd):
                 o[(mt * nd + dd) * 4 + i] = o[(mt * nd + dd) * 4 + i] * alpha[mt * 2 + i // 2]
 
 
+def row_reciprocal(l):
+    """1 / l, or 0 for a row that saw no key (l = 0): the epilogues multiply by it, once a row
+    (o / l per element compiles to IEEE divisions with their slow-path checks, a fifth of a
+    1k-key forward's time)."""
+    return T.Select(l == T.float32(0), T.float32(0), T.float32(1) / l)
+
+
 @T.inline
 def store_output(O, LSE, o, m, l, n_mt, nd, b, h, q_row0, seqlen_q, lane):
     """O = o / l and LSE = m ln2 + ln l of the rows of `online_softmax`; rows that saw no key
@@ -306,10 +313,7 @@ def store_output(O, LSE, o, m, l, n_mt, nd, b, h, q_row0, seqlen_q, lane):
         for hh in T.unroll(2):
             l[mt * 2 + hh] = T.cuda.warp_sum(l[mt * 2 + hh], width=4)
             row = T.meta_var(q_row0 + mt * 16 + lane // 4 + hh * 8)
-            # one reciprocal a row: o / l per element compiled to IEEE divisions with their
-            # slow-path checks, a fifth of a 1k-key forward's time
-            inv_l = T.meta_var(T.Select(l[mt * 2 + hh] == T.float32(0), T.float32(0),
-                                        T.float32(1) / l[mt * 2 + hh]))
+            inv_l = T.meta_var(row_reciprocal(l[mt * 2 + hh]))
             if row < seqlen_q:
                 for dd in T.unroll(nd):
                     for e in T.vectorized(2):
