@@ -17,7 +17,7 @@ the kernel's AttentionSpec (one module per program; captured values are argument
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,7 @@ class _Trace:
 
     def __init__(self):
         self.tensors: list = []
+        self.const_types: list = []  # type of each constant, in order (1, 1.0 and True are equal keys)
 
     def capture(self, tensor: torch.Tensor, index: tuple):
         for k, t in enumerate(self.tensors):
@@ -50,6 +51,7 @@ class _Trace:
         if isinstance(x, Traced):
             return x.node
         if isinstance(x, (bool, int, float)):
+            self.const_types.append(type(x).__name__)
             return ("const", x)
         if isinstance(x, torch.Tensor) and x.dim() == 0:
             return self.capture(x, ()).node
@@ -171,6 +173,9 @@ class Program:
 
     node: tuple
     captures: tuple
+    # the constants' types: programs that differ only in them (q_idx // 2 vs q_idx // 2.0)
+    # compute differently but compare equal without it (outside repr: module names keep theirs)
+    const_types: tuple = field(default=(), repr=False)
 
     @property
     def kind(self) -> str:
@@ -184,7 +189,7 @@ def trace(fn, role: str):
     result = fn(*leaves) if role == "score" else fn(*leaves[1:])
     node = tr.lift(result)
     captures = tuple((str(t.dtype).replace("torch.", ""), t.dim()) for t in tr.tensors)
-    program = Program(node, captures)
+    program = Program(node, captures, tuple(tr.const_types))
     want = "f" if role == "score" else "b"
     if program.kind != want:
         what = "a float score" if role == "score" else "a boolean (keep) value"
@@ -214,6 +219,13 @@ class BlockMask:
     mask_mod: object
     partial: torch.Tensor  # (B, H, q-blocks, kv-blocks) bool: some but not every pair kept
     full: torch.Tensor     # every pair kept
+    # the kernels' view of the mask, made once (a call's host time is what a 4k-token
+    # attention costs the GPU): the tile map, and its arguments per call shape (B, H)
+    tiles: torch.Tensor = field(init=False, repr=False)
+    _kernel_args: dict = field(init=False, repr=False, compare=False, default_factory=dict)
+
+    def __post_init__(self):
+        self.tiles = self.partial.to(torch.uint8) + 2 * self.full.to(torch.uint8)
 
     @classmethod
     def from_tiles(cls, partial: torch.Tensor, full: torch.Tensor, block_size: tuple, seq_lengths: tuple,
@@ -229,7 +241,17 @@ class BlockMask:
     def tile_map(self) -> torch.Tensor:
         """(B, H, q-blocks, kv-blocks) uint8 on the mask's device: 0 empty (kernels skip the
         tile), 1 partial (mask_mod applied per pair), 2 full (mask_mod skipped)."""
-        return self.partial.to(torch.uint8) + 2 * self.full.to(torch.uint8)
+        return self.tiles
+
+    def kernel_args(self, batch: int, heads: int) -> tuple:
+        """The kernels' block-mask arguments (spec.BLOCK_MASK_ARGS) for inputs of `batch` x
+        `heads`: the tile map and the forward's kv-block counts and lists, broadcast over a
+        batch or head dimension of 1."""
+        args = self._kernel_args.get((batch, heads))
+        if args is None:
+            tensors = (self.tiles, self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices)
+            args = self._kernel_args[(batch, heads)] = tuple(t.expand(batch, heads, *t.shape[2:]) for t in tensors)
+        return args
 
     def sparsity(self) -> float:
         """Percentage of tiles skipped (neither partial nor full)."""
@@ -301,8 +323,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask: BlockMask | No
                              f"the inputs are {(B, H, Lq, Lk)}")
         program, tensors = trace(block_mask.mask_mod, "mask")
         flex.append(("mask", program, block_mask.block_size))
-        captures += [*tensors, block_mask.tile_map(), block_mask.kv_num_blocks, block_mask.kv_indices,
-                     block_mask.full_kv_num_blocks, block_mask.full_kv_indices]
+        captures += [*tensors, *block_mask.kernel_args(B, H)]
     for t in captures:
         if t.device != query.device:
             raise ValueError(f"a captured tensor is on {t.device} but query is on {query.device}")

@@ -23,12 +23,17 @@ _TORCH_TO_TVM = {torch.float32: "float32", torch.float16: "float16", torch.bfloa
 _FLEX_PROGRAMS: dict = {}  # key -> AttentionSpec.flex entries ((role, program, block), ...)
 
 
+_FLEX_KEYS: dict = {}  # programs -> key (hashing the programs costs a call less than printing them)
+
+
 def register_flex(programs: tuple) -> str:
     """A string key for traced flex programs (a plain argument of `attention`)."""
-    import hashlib
+    key = _FLEX_KEYS.get(programs)
+    if key is None:
+        import hashlib
 
-    key = hashlib.sha256(repr(programs).encode()).hexdigest()[:16]
-    _FLEX_PROGRAMS[key] = programs
+        key = _FLEX_KEYS[programs] = hashlib.sha256(repr(programs).encode()).hexdigest()[:16]
+        _FLEX_PROGRAMS[key] = programs
     return key
 
 
@@ -86,21 +91,27 @@ def _kernels(spec: AttentionSpec, device: torch.device) -> dict:
     return kernels
 
 
-@contextlib.contextmanager
-def _on_stream(device: torch.device, stream: Optional[torch.cuda.Stream] = None):
-    """Scope for TVM kernel launches: on CUDA they go to torch's current stream of `device`
-    (`stream` if the caller has it; one scope per op: entering it costs tens of microseconds)."""
+_NO_SCOPE = contextlib.nullcontext()
+
+
+def _on_stream(device: torch.device):
+    """Scope for TVM kernel launches: on CUDA they go to torch's current stream of `device`.
+    Torch's default stream on the current device is TVM's default too, and needs no scope
+    (entering one costs microseconds, the budget of a whole call is tens)."""
     if device.type != "cuda":
-        yield
-        return
+        return _NO_SCOPE
+    current = torch._C._cuda_getDevice()
+    index = device.index if device.index is not None else current
+    handle = torch._C._cuda_getCurrentRawStream(index)  # (torch.cuda.current_stream builds an object)
+    if index == current and handle == 0:
+        return _NO_SCOPE
+    return _stream_scope(index, handle, index == current)
+
+
+@contextlib.contextmanager
+def _stream_scope(index: int, handle: int, current: bool):
     import tvm_ffi
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    handle = (stream or torch.cuda.current_stream(index)).cuda_stream
-    current = index == torch.cuda.current_device()
-    if current and handle == 0:  # torch's default stream is TVM's default: no scope needed
-        yield
-        return
     stream = tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", index), handle)
     if current:
         with stream:
@@ -136,10 +147,8 @@ def _mod_args(spec: AttentionSpec, shape, mask, window, softcap, alibi_slopes, d
         for k in range(len(program.captures)):
             t = next(captures)
             values[f"{role}_capture{k}"] = t.view(torch.uint8) if t.dtype == torch.bool else t
-        if block:  # the block mask's tile map and kv-block lists follow the captures
-            for name in BLOCK_MASK_ARGS:
-                t = next(captures)
-                values[name] = t.expand(B, H, *t.shape[2:])
+        if block:  # the block mask's tile map and kv-block lists (B, H, ...) follow the captures
+            values.update((name, next(captures)) for name in BLOCK_MASK_ARGS)
     return tuple(values[name] for name in names)
 
 
@@ -318,11 +327,7 @@ def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                                  alibi_slopes is not None, num_splits)
     spec, decode, scratch, combine = plan
     mod_args = _mod_args(spec, (B, H, Lq, capacity), None, window, softcap, alibi_slopes) if spec.variants else ()
-    if not cuda or (stream == 0 and device.index == torch._C._cuda_getDevice()):
-        scope = contextlib.nullcontext()  # a CPU, or torch's default stream, which is TVM's: no scope (5-20 us)
-    else:
-        scope = _on_stream(device)
-    with scope:
+    with _on_stream(device):
         # on CUDA one launch: the kernel merges its splits (o_part, lse_part, counters) into out, lse
         out_bhld = out.transpose(1, 2)
         decode(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, scratch[0], scratch[1],
