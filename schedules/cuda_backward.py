@@ -43,9 +43,9 @@ from tvmflash.kernels.dropout import check_dropout_blocks
 from tvmflash.kernels.score_mods import ScoreIndex, ScorePipeline, TileAt
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (PAD, QStepWalk, advance, batch_and_head, copy_row_stats, copy_rows, dropout_cols_t,
-                       dropout_rows, dropped_ds, exp2_into, load_a_trans, mma_op, smem_scope, transposed_probabilities,
-                       warp_gemm_nt, warp_gemm_rn)
+from .cuda_mma import (PAD, QStepWalk, advance, batch_and_head, bound_values, copy_row_stats, copy_rows,
+                       dropout_cols_t, dropout_rows, dropped_ds, exp2_into, load_a_trans, mma_op, pick_values,
+                       smem_scope, transposed_probabilities, warp_gemm_nt, warp_gemm_rn)
 
 DEFAULTS = {"bwd_block_n": 128, "bwd_block_m": 64, "bwd_stages": 3, "bwd_dq_chunk": 32, "bwd_d_split": 1,
             "dq_block_m": 64, "dq_block_n": 64}
@@ -457,18 +457,33 @@ def dq_kernel(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             warp_gemm_nt(MMA, acc, af, bf, pool, a_row + qr, b_row, BN // 16, D // 16, lane)
 
         @T.inline
+        def probability(k0, masked, nt, hh, e, row, col):
+            idx = T.meta_var(nt * 4 + hh * 2 + e)
+            key = T.meta_var(k0 + nt * 8 + lane % 4 * 2 + e)
+            ix = T.meta_var(ScoreIndex(b, h, q0 + qr + lane // 4 + hh * 8, key, row, col=col))
+            if gs is not None:
+                gs[idx] = score.grad(s[idx] * scale, ix)
+            if masked or score.changes_values:
+                exp2_into(s[idx], score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - lse2[hh])
+            else:
+                exp2_into(s[idx], s[idx] * scale_log2 - lse2[hh])
+
+        @T.inline
         def probabilities(k0, masked):
-            for nt in T.unroll(NS):
-                for hh in T.unroll(2):
+            if (masked or score.changes_values) and score.row_values + score.col_values > 0:
+                # values loaded once: a thread's two query rows' up front, each key's for both rows
+                queries = T.meta_var([bound_values(score, "row", b, h, q0 + qr + lane // 4 + rh * 8, True)
+                                      for rh in range(2)])
+                for nt in T.unroll(NS):
                     for e in T.unroll(2):
-                        idx = T.meta_var(nt * 4 + hh * 2 + e)
-                        ix = T.meta_var(ScoreIndex(b, h, q0 + qr + lane // 4 + hh * 8, k0 + nt * 8 + lane % 4 * 2 + e))
-                        if gs is not None:
-                            gs[idx] = score.grad(s[idx] * scale, ix)
-                        if masked or score.changes_values:
-                            exp2_into(s[idx], score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - lse2[hh])
-                        else:
-                            exp2_into(s[idx], s[idx] * scale_log2 - lse2[hh])
+                        col = T.meta_var(bound_values(score, "col", b, h, k0 + nt * 8 + lane % 4 * 2 + e, True))
+                        for hh in T.unroll(2):
+                            probability(k0, masked, nt, hh, e, pick_values(queries, hh), col)
+            else:
+                for nt in T.unroll(NS):
+                    for hh in T.unroll(2):
+                        for e in T.unroll(2):
+                            probability(k0, masked, nt, hh, e, None, None)
 
         copy_rows(pool, Q_ROW, Q, b, h, q0, BM, LQ, D, tid, NT)
         copy_rows(pool, DO_ROW, DO, b, h, q0, BM, LQ, D, tid, NT)

@@ -104,12 +104,12 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         p = T.alloc_local([MT * NS * 4], dt)
         o = T.alloc_local([MT * ND * 4], F32)
         m = T.alloc_local([MT * 2], F32)  # running max (log2 units) of rows g and g + 8 per m-tile
-        rowv = T.alloc_local([row_values_size(tscore, MT)], "int32")  # the rows' values (packed sequences)
+        rowv = T.alloc_local([row_values_size(tscore, MT)], "int32")  # row values (varlen, flex loads)
         l = T.alloc_local([MT * 2], F32)  # running partial sum of this lane's columns
         mx = T.alloc_local([1], F32)
         alpha = T.alloc_local([MT * 2], F32)
         if tscore.row_values > 0:
-            load_row_values(rowv, tscore, MT, q0 + row0, lane)
+            load_row_values(rowv, tscore, MT, bs, h, q0 + row0, lane)
         index = T.meta_var(query_rows(tscore, bs, h, q0 + row0, rowv, lane))
         pw = p.view("uint32")
         q_frag = T.meta_var(lambda mt, kk: (mt * (D // 16) + kk) * 4 if q_regs else mt * 4)

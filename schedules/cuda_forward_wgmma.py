@@ -103,14 +103,14 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         p = T.alloc_local([NS * 4], dt)
         o = T.alloc_local([ND * 4], F32)
         m = T.alloc_local([2], F32)  # running max (log2 units) of rows g and g + 8
-        rowv = T.alloc_local([row_values_size(tscore, 1)], "int32")  # the rows' values (packed sequences)
+        rowv = T.alloc_local([row_values_size(tscore, 1)], "int32")  # row values (varlen, flex loads)
         l = T.alloc_local([2], F32)  # running partial sum of this lane's columns
         mx = T.alloc_local([1], F32)
         alpha = T.alloc_local([2], F32)
         listed_k0 = T.alloc_buffer((LISTED_TILES if spec.block_sparse else 1,), "int32", scope="shared")
         if q0 < lq:  # a packed tile between two sequences' tiles has no rows
             if tscore.row_values > 0:
-                load_row_values(rowv, tscore, 1, q0 + row0, lane)
+                load_row_values(rowv, tscore, 1, bs, h, q0 + row0, lane)
             index = T.meta_var(query_rows(tscore, bs, h, q0 + row0, rowv, lane))
             pw = p.view("uint32")
             # the K/V tiles to visit: a block mask's listed ones (supports() requires tiles that

@@ -14,6 +14,7 @@ import math
 
 from tvm import tirx
 from tvm.script import tirx as T
+from tvm.script.ir_builder import tirx as irb
 
 from tvmflash.kernels.common import LOG2E, NEG_INF
 from tvmflash.kernels.score_mods import ScoreIndex, with_kv_parts
@@ -232,14 +233,15 @@ def row_values_size(score, n_mt: int) -> int:
 
 
 @T.inline
-def load_row_values(rowv, score, n_mt, q_row0, lane):
+def load_row_values(rowv, score, n_mt, b, h, q_row0, lane):
     """The row values of this lane's rows (g and g + 8 of each m-tile), once per query tile:
     inside the kv loop they would be reloaded per tile (loads do not move across its asm
-    barriers)."""
+    barriers), or per score."""
     for mt in T.unroll(n_mt):
         for hh in T.unroll(2):
             for c in T.unroll(score.row_values):
-                rowv[(mt * 2 + hh) * score.row_values + c] = score.row_value(q_row0 + mt * 16 + lane // 4 + hh * 8, c)
+                rowv[(mt * 2 + hh) * score.row_values + c] = score.row_value(
+                    b, h, q_row0 + mt * 16 + lane // 4 + hh * 8, c)
 
 
 @T.inline
@@ -247,6 +249,36 @@ def exp2_into(dst, x):
     """dst = 2^x as one MUFU.EX2 (`ex2.approx.ftz`: results below 2^-126 flush to 0, -inf gives
     0); exp2f wraps it in a range test and two predicated scalings (H100 forward: 5% faster)."""
     T.ptx["ex2.approx.ftz.f32"](dst, x)
+
+
+def bound_values(score, axis: str, b, h, at, used: bool):
+    """The values of query row `at` (axis "row": score.row_values) or key `at` ("col":
+    col_values) that the scores of that row / key share, each bound once (TVM shares no loads
+    between expressions), for ScoreIndex.row / .col; None if there are none or they are not
+    `used` (the tile's scores take no modifiers)."""
+    n = score.row_values if axis == "row" else score.col_values
+    if not used or n == 0:
+        return None
+    value = score.row_value if axis == "row" else score.col_value
+    return tuple(irb.bind(value(b, h, at, c)) for c in range(n))
+
+
+def pick_values(per_half: list, hh):
+    """per_half[hh] (bound_values of a thread's rows g and g + 8) for an unrolled loop's hh."""
+    if per_half[0] is None:
+        return None
+    return tuple(tirx.Select(hh == 0, a, b) for a, b in zip(*per_half))
+
+
+@T.inline
+def modified_score(s, idx, score, scale, masked, ix):
+    """s[idx]: a raw score -> its modified, scaled score in the exp2 domain."""
+    if masked or (score.changes_values and not score.additive):
+        s[idx] = score(s[idx] * scale, ix, masked) * T.float32(LOG2E)
+    elif score.changes_values:  # a bias: one multiply-add per score on top
+        s[idx] = s[idx] * (scale * T.float32(LOG2E)) + score.bias(ix, T.float32(LOG2E))
+    else:
+        s[idx] = s[idx] * (scale * T.float32(LOG2E))
 
 
 @T.inline
@@ -257,19 +289,24 @@ def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, ma
     shared by the 4 lanes of a quad). Leaves P = exp2(S - m) in s and the factor the output
     rows must be rescaled by in alpha. index(mt, hh, key): the ScoreIndex of the lane's row g
     (hh = 0) or g + 8 (hh = 1) of m-tile mt (`query_rows`)."""
+    by_key = T.meta_var(score.col_values > 0 and (masked or score.changes_values))
     for mt in T.unroll(n_mt):
+        if by_key:  # a key's two rows together: its column values (score.col_values) load once
+            for nt in T.unroll(ns):
+                for e in T.unroll(2):
+                    first = T.meta_var(index(mt, 0, k0 + lane % 4 * 2 + nt * 8 + e))
+                    col = T.meta_var(bound_values(score, "col", first.b, first.h, first.kv_idx, True))
+                    for hh in T.unroll(2):
+                        modified_score(s, (mt * ns + nt) * 4 + hh * 2 + e, score, scale, masked,
+                                       with_kv_parts(index, mt, hh, base=k0 + lane % 4 * 2, offset=nt * 8 + e, col=col))
         for hh in T.unroll(2):
             mx[0] = m[mt * 2 + hh]
             for nt in T.unroll(ns):
                 for e in T.unroll(2):
                     idx = T.meta_var((mt * ns + nt) * 4 + hh * 2 + e)
-                    ix = T.meta_var(with_kv_parts(index, mt, hh, base=k0 + lane % 4 * 2, offset=nt * 8 + e))
-                    if masked or (score.changes_values and not score.additive):
-                        s[idx] = score(s[idx] * scale, ix, masked) * T.float32(LOG2E)
-                    elif score.changes_values:  # a bias: one multiply-add per score on top
-                        s[idx] = s[idx] * (scale * T.float32(LOG2E)) + score.bias(ix, T.float32(LOG2E))
-                    else:
-                        s[idx] = s[idx] * (scale * T.float32(LOG2E))
+                    if not by_key:
+                        modified_score(s, idx, score, scale, masked,
+                                       with_kv_parts(index, mt, hh, base=k0 + lane % 4 * 2, offset=nt * 8 + e))
                     mx[0] = T.max(mx[0], s[idx])
             mx[0] = T.cuda.warp_max(mx[0], width=4)
             exp2_into(alpha[mt * 2 + hh], m[mt * 2 + hh] - mx[0])
@@ -343,26 +380,45 @@ def copy_row_stats(stats, slot, lse2, delta, b, h, q0, nrows, limit, tid, nthrea
 
 
 @T.inline
+def transposed_probability(s, p, stats, slot, score, scale, b, h, q0, key0, lane, masked, gs, lse2, nt, hh, e,
+                           row, col):
+    """One score of `transposed_probabilities` (row, col: its ScoreIndex.row / .col)."""
+    idx = T.meta_var(nt * 4 + hh * 2 + e)
+    qc = T.meta_var(nt * 8 + lane % 4 * 2 + e)
+    ix = T.meta_var(ScoreIndex(b, h, q0 + qc, key0 + lane // 4 + hh * 8, row, col=col))
+    row_lse2 = T.meta_var(stats[slot, 0, qc] if lse2 is None else lse2[nt * 2 + e])
+    if gs is not None:
+        gs[idx] = score.grad(s[idx] * scale, ix)
+    if masked or score.changes_values:
+        exp2_into(s[idx], score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - row_lse2)
+    else:
+        exp2_into(s[idx], s[idx] * (scale * T.float32(LOG2E)) - row_lse2)
+    p[idx] = T.Cast(p.dtype, s[idx])
+
+
+@T.inline
 def transposed_probabilities(s, p, stats, slot, nq8, score, scale, b, h, q0, key0, lane, masked, gs=None,
                              lse2=None):
     """Scores S^T in s (rows keys from key0, nq8 n8 tiles of queries from q0) -> P^T =
     exp2(S^T scale log2e - lse2[query]) in s (fp32) and p (its 16-bit type); `gs` (modifiers
     whose gradient is not 1) takes d modified score / d score of each. lse2[query] from
     stats[slot, 0], or from `lse2` (registers filled by `thread_row_stats`)."""
-    for nt in T.unroll(nq8):
-        for hh in T.unroll(2):
+    modified = T.meta_var(masked or score.changes_values)
+    if modified and score.row_values + score.col_values > 0:
+        # values loaded once: a thread's two keys' up front, each query's for its two keys
+        keys = T.meta_var([bound_values(score, "col", b, h, key0 + lane // 4 + kh * 8, True) for kh in range(2)])
+        for nt in T.unroll(nq8):
             for e in T.unroll(2):
-                idx = T.meta_var(nt * 4 + hh * 2 + e)
-                qc = T.meta_var(nt * 8 + lane % 4 * 2 + e)
-                ix = T.meta_var(ScoreIndex(b, h, q0 + qc, key0 + lane // 4 + hh * 8))
-                row_lse2 = T.meta_var(stats[slot, 0, qc] if lse2 is None else lse2[nt * 2 + e])
-                if gs is not None:
-                    gs[idx] = score.grad(s[idx] * scale, ix)
-                if masked or score.changes_values:
-                    exp2_into(s[idx], score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - row_lse2)
-                else:
-                    exp2_into(s[idx], s[idx] * (scale * T.float32(LOG2E)) - row_lse2)
-                p[idx] = T.Cast(p.dtype, s[idx])
+                query = T.meta_var(bound_values(score, "row", b, h, q0 + nt * 8 + lane % 4 * 2 + e, True))
+                for hh in T.unroll(2):
+                    transposed_probability(s, p, stats, slot, score, scale, b, h, q0, key0, lane, masked, gs, lse2,
+                                           nt, hh, e, query, pick_values(keys, hh))
+    else:
+        for nt in T.unroll(nq8):
+            for hh in T.unroll(2):
+                for e in T.unroll(2):
+                    transposed_probability(s, p, stats, slot, score, scale, b, h, q0, key0, lane, masked, gs, lse2,
+                                           nt, hh, e, None, None)
 
 
 @T.inline

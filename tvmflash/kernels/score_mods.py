@@ -42,8 +42,8 @@ class TileAt:
 @dataclass(frozen=True)
 class ScoreIndex:
     """Where a score sits: batch, query head, absolute query row and key row (int64 exprs).
-    `row`: the query row's values that `ScorePipeline.row_values` asked for, where the kernel
-    loaded them once per row (into registers) instead of once per score. `kv_parts`: kv_idx as
+    `row` (`col`): the query row's (key's) values that `ScorePipeline.row_values` (col_values)
+    asked for, where the kernel loaded them once per row (column) instead of once per score. `kv_parts`: kv_idx as
     (a part shared by a tile's scores, a part the compiler unrolls to a constant), where the
     kernel knows it (modifiers may convert the first once per tile, `with_kv_parts`)."""
 
@@ -53,15 +53,16 @@ class ScoreIndex:
     kv_idx: tirx.PrimExpr
     row: tuple | None = None
     kv_parts: tuple | None = None
+    col: tuple | None = None  # the key's values that ScorePipeline.col_values asked for
 
 
-def with_kv_parts(index, *where, base, offset) -> ScoreIndex:
+def with_kv_parts(index, *where, base, offset, col=None) -> ScoreIndex:
     """index(*where, base + offset), the ScoreIndex of a kernel's score, with its key split into
     `kv_parts` when the index keeps the key as given (not when it moves it into a sequence's
-    coordinates)."""
-    col = base + offset
-    ix = index(*where, col)
-    return replace(ix, kv_parts=(base, offset)) if ix.kv_idx is col else ix
+    coordinates), and the key's loaded values `col` (ScoreIndex.col)."""
+    key = base + offset
+    ix = replace(index(*where, key), col=col)
+    return replace(ix, kv_parts=(base, offset)) if ix.kv_idx is key else ix
 
 
 class ScoreMod:
@@ -421,6 +422,31 @@ class ScoreProgram(ScoreMod):
         return _BoundScoreProgram(self.role, self.program, self.block, tuple(bufs), *lists)
 
 
+def _axis_nodes(node, captures, axis: str) -> tuple:
+    """The integer/boolean captured loads of a program whose indices depend on `axis` ("q_idx"
+    or "kv_idx") alone besides b and h (doc[q_idx], table[b, h, kv_idx // 64]), outermost
+    ones, each once: a kernel may load them once per row (ScorePipeline.row_value) or column
+    (col_value) instead of once per score."""
+    found = []
+
+    def leaves(n):
+        return {n[0]} if n[0] in ("score", "b", "h", "q_idx", "kv_idx") else set().union(
+            *(leaves(a) for a in n[(2 if n[0] == "capture" else 1):] if isinstance(a, tuple)))
+
+    def walk(n):
+        if n[0] == "const":
+            return
+        if n[0] == "capture" and kind_of(n, captures) != "f" and leaves(n) <= {"b", "h", axis}:
+            if n not in found:
+                found.append(n)
+            return
+        for a in n[(2 if n[0] == "capture" else 1):]:
+            if isinstance(a, tuple):
+                walk(a)
+    walk(node)
+    return tuple(found)
+
+
 @dataclass(frozen=True)
 class _BoundScoreProgram(ScoreProgram):
     captures: tuple = ()
@@ -429,6 +455,25 @@ class _BoundScoreProgram(ScoreProgram):
     kv_indices: tirx.Buffer | None = None
     full_kv_num: tirx.Buffer | None = None  # the full ones
     full_kv_indices: tirx.Buffer | None = None
+    row_offset: int = 0  # where this program's values start in ScoreIndex.row / .col
+    col_offset: int = 0
+
+    @functools.cached_property
+    def row_nodes(self) -> tuple:
+        return _axis_nodes(self.program.node, self.program.captures, "q_idx")
+
+    @functools.cached_property
+    def col_nodes(self) -> tuple:
+        return tuple(n for n in _axis_nodes(self.program.node, self.program.captures, "kv_idx")
+                     if n not in self.row_nodes)
+
+    def row_value(self, b, h, q_idx, c):
+        """Row node c of query row q_idx as an int32 (booleans 0 / 1)."""
+        return tirx.Cast(PROGRAM_INT, self._lower(self.row_nodes[c], None, ScoreIndex(b, h, q_idx, None)))
+
+    def col_value(self, b, h, kv_idx, c):
+        """Column node c of key kv_idx as an int32 (booleans 0 / 1)."""
+        return tirx.Cast(PROGRAM_INT, self._lower(self.col_nodes[c], None, ScoreIndex(b, h, None, kv_idx)))
 
     def kv_list(self, q_lo, at):
         """(count, k0 of the j-th tile, index of the first tile of a full block) walking only
@@ -503,6 +548,11 @@ class _BoundScoreProgram(ScoreProgram):
             value = node[1]
             return tirx.const(value, "bool" if isinstance(value, bool) else PROGRAM_INT if isinstance(value, int) else F32)
         if op == "capture":
+            for held, nodes, offset in ((ix.row, self.row_nodes, self.row_offset),
+                                        (ix.col, self.col_nodes, self.col_offset)):
+                if held is not None and node in nodes:  # loaded once per row / column
+                    value = held[offset + nodes.index(node)]
+                    return value != tirx.const(0, PROGRAM_INT) if self._kind(node) == "b" else value
             buf = self.captures[node[1]]
             index = [tirx.max(tirx.min(tirx.Cast("int64", self._as(self._lower(i, score, ix), "i", i)), n - 1),
                               tirx.const(0, "int64")) for i, n in zip(node[2:], buf.shape)]
@@ -601,6 +651,17 @@ class KVWalk:
         return j < self.count if live is None else tirx.all(j < self.count, live)
 
 
+def _pick(values: list, c):
+    """values[c] for an int c or, from an unrolled loop, a loop variable (the choice then folds
+    to one value once the loop is unrolled)."""
+    if isinstance(c, int):
+        return values[c]
+    value = values[-1]
+    for k in range(len(values) - 2, -1, -1):
+        value = tirx.if_then_else(c == k, values[k], value)
+    return value
+
+
 class ScorePipeline:
     """The bound modifiers of one kernel, applied in order, plus the sequence bounds."""
 
@@ -618,6 +679,14 @@ class ScorePipeline:
         self.dropout = next((m for m in bound if isinstance(m, BoundDropout)), None)
         self.seqs = next((m for m in bound if isinstance(m, _BoundVarlen)), None)
         self.mods = [m for m in bound if not isinstance(m, (BoundDropout, _BoundVarlen))]
+        # flex programs' row-only loads (packed sequences take no flex programs): each program
+        # finds its own at its offset into ScoreIndex.row
+        rows = cols = 0
+        for i, m in enumerate(self.mods):
+            if isinstance(m, _BoundScoreProgram):
+                self.mods[i] = replace(m, row_offset=rows, col_offset=cols)
+                rows, cols = rows + len(m.row_nodes), cols + len(m.col_nodes)
+        self.programs = [m for m in self.mods if isinstance(m, _BoundScoreProgram)]
         self.keys_from_zero = False  # kernel key indices may be negative (in_sequence)
 
     def in_sequence(self, seqlen_q, seqlen_k) -> "ScorePipeline":
@@ -641,13 +710,29 @@ class ScorePipeline:
 
     @property
     def row_values(self) -> int:
-        """How many values of its query row every score needs (a packed sequence's table
-        fields; 0 without): a kernel may load `row_value(q_idx, c)` for c < row_values once
-        per row and pass them as ScoreIndex.row."""
-        return 0 if self.seqs is None else self.seqs.ROW_VALUES
+        """How many int32 values of its query row every score needs (a packed sequence's table
+        fields, or flex programs' row-only captured loads; 0 without): a kernel may load
+        `row_value(b, h, q_idx, c)` for c < row_values once per row and pass them as
+        ScoreIndex.row (kernels that do not, pass None: the scores then load them)."""
+        if self.seqs is not None:
+            return self.seqs.ROW_VALUES
+        return sum(len(m.row_nodes) for m in self.programs)
 
-    def row_value(self, q_idx, c):
-        return self.seqs.row_value(q_idx, c)
+    def row_value(self, b, h, q_idx, c):
+        """Row value c (an int or, from an unrolled loop, a loop variable) of row q_idx."""
+        if self.seqs is not None:
+            return self.seqs.row_value(q_idx, c)
+        return _pick([m.row_value(b, h, q_idx, k) for m in self.programs for k in range(len(m.row_nodes))], c)
+
+    @property
+    def col_values(self) -> int:
+        """How many int32 values of its key every score needs (flex programs' column-only
+        captured loads): a kernel may load `col_value(b, h, kv_idx, c)` once per column of a
+        tile and pass them as ScoreIndex.col."""
+        return sum(len(m.col_nodes) for m in self.programs)
+
+    def col_value(self, b, h, kv_idx, c):
+        return _pick([m.col_value(b, h, kv_idx, k) for m in self.programs for k in range(len(m.col_nodes))], c)
 
     def _local(self, ix: ScoreIndex):
         """The index and shape the modifiers see (a packed sequence's own)."""
