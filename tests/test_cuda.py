@@ -355,6 +355,10 @@ def _flex_cases():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     slopes = (torch.rand(4, generator=g) * 0.2).to(dev)
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate((300, 500, 1, 223))]).to(dev)
+    # per-batch segments and key padding: several row / key values (loaded once per row / key),
+    # integer and boolean, in a score_mod and a mask_mod at once
+    seg = torch.stack([doc, torch.arange(1024) // 200]).to(dev)
+    keep = (torch.rand(2, 1024, generator=g) > 0.1).to(dev)
     return [
         ("alibi score + causal", torch.bfloat16, 128, lambda s, b, h, q, kv: s - slopes[h] * torch.abs(q - kv),
          lambda b, h, q, kv: q >= kv, 128),
@@ -366,6 +370,9 @@ def _flex_cases():
         ("sliding window d96", torch.float16, 96, None, lambda b, h, q, kv: (q >= kv) & (q - kv <= 200), 128),
         ("alibi + document, 64-blocks", torch.bfloat16, 64, lambda s, b, h, q, kv: s - slopes[h] * torch.abs(q - kv),
          lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv), 64),
+        ("segments score + padded documents", torch.float16, 128,
+         lambda s, b, h, q, kv: torch.where(seg[b, q] == seg[b, kv], s, s - 1.0),
+         lambda b, h, q, kv: (seg[b, q // 2] <= seg[b, kv]) & keep[b, kv] & (q >= kv), 128),
     ]
 
 

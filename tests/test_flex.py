@@ -108,6 +108,42 @@ def test_captured_values_are_arguments():
     torch.testing.assert_close(b, ref)
 
 
+def test_block_mask_kernel_arguments_are_made_once():
+    """A call's host time is the whole GPU time of a 4k-token attention: the block mask's tile
+    map (0 empty, 1 partial, 2 full) and its arguments per (B, H) are made once per mask."""
+    bm = flex.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 256, 384)
+    args = bm.kernel_args(2, 4)
+    assert args is bm.kernel_args(2, 4) and bm.tile_map() is bm.tiles
+    assert [tuple(a.shape) for a in args] == [(2, 4, 2, 3), (2, 4, 2), (2, 4, 2, 3), (2, 4, 2), (2, 4, 2, 3)]
+    assert args[0][1, 3].tolist() == [[1, 0, 0], [2, 1, 0]]  # the diagonal partial, above it empty
+
+
+def test_constants_of_other_types_make_other_programs():
+    """1, 1.0 and True compare equal in Python, but q // 2 and q // 2.0 compute differently: the
+    programs (part of the kernel spec and its in-process cache key) must differ."""
+    traced = [flex.trace(fn, "mask")[0] for fn in (lambda b, h, q, kv: q // 2 >= kv, lambda b, h, q, kv: q // 2.0 >= kv,
+                                                     lambda b, h, q, kv: q // 2 >= kv)]
+    assert traced[0] != traced[1] and traced[0] == traced[2]
+    from tvmflash.ops import register_flex
+
+    keys = [register_flex((("mask", p, None),)) for p in traced]
+    assert keys[0] != keys[1] and keys[0] == keys[2]
+
+
+def test_row_and_key_loads_are_found():
+    """The captured loads a kernel may make once per query row or key: integer/boolean ones
+    whose indices depend on q_idx (kv_idx) and b, h alone; outermost, each once."""
+    from tvmflash.kernels.score_mods import _axis_nodes
+
+    doc, keep, bias = torch.zeros(2, 8, dtype=torch.int64), torch.ones(8, dtype=torch.bool), torch.zeros(8)
+    program = flex.trace(lambda s, b, h, q, kv: torch.where((doc[b, q] == doc[b, kv]) & keep[kv] & (doc[b, q] > 0),
+                                                            s + bias[q] + doc[b, q - kv], s), "score")[0]
+    q_doc, kv_doc, kv_keep = (("capture", 0, ("b",), ("q_idx",)), ("capture", 0, ("b",), ("kv_idx",)),
+                              ("capture", 1, ("kv_idx",)))
+    assert _axis_nodes(program.node, program.captures, "q_idx") == (q_doc,)  # bias[q] is a float: per score
+    assert _axis_nodes(program.node, program.captures, "kv_idx") == (kv_doc, kv_keep)
+
+
 @pytest.mark.parametrize("fn,exc,message", [
     (lambda s, b, h, q, kv: s if s > 0 else s * 2, TypeError, "Python control flow"),
     (lambda s, b, h, q, kv: s + torch.ones(3), TypeError, "index captured tensors"),
