@@ -354,11 +354,13 @@ def _flex_cases():
     g = torch.Generator().manual_seed(5)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     slopes = (torch.rand(4, generator=g) * 0.2).to(dev)
-    doc = torch.cat([torch.full((n,), i) for i, n in enumerate((300, 500, 1, 223))]).to(dev)
-    # per-batch segments and key padding: several row / key values (loaded once per row / key),
-    # integer and boolean, in a score_mod and a mask_mod at once
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate((300, 500, 1, 223))])
+    # per-batch segments, key padding: several row / key values (loaded once per row / key),
+    # integer and boolean, in a score_mod and a mask_mod at once (the block mask is made for
+    # every batch entry at once: the mask_mod does not depend on b)
     seg = torch.stack([doc, torch.arange(1024) // 200]).to(dev)
-    keep = (torch.rand(2, 1024, generator=g) > 0.1).to(dev)
+    keep = (torch.rand(1024, generator=g) > 0.1).to(dev)
+    doc = doc.to(dev)
     return [
         ("alibi score + causal", torch.bfloat16, 128, lambda s, b, h, q, kv: s - slopes[h] * torch.abs(q - kv),
          lambda b, h, q, kv: q >= kv, 128),
@@ -372,7 +374,7 @@ def _flex_cases():
          lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv), 64),
         ("segments score + padded documents", torch.float16, 128,
          lambda s, b, h, q, kv: torch.where(seg[b, q] == seg[b, kv], s, s - 1.0),
-         lambda b, h, q, kv: (seg[b, q // 2] <= seg[b, kv]) & keep[b, kv] & (q >= kv), 128),
+         lambda b, h, q, kv: (doc[q // 2] <= doc[kv]) & keep[kv] & (q >= kv), 128),
     ]
 
 
