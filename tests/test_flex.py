@@ -131,8 +131,8 @@ def test_constants_of_other_types_make_other_programs():
 
 
 def test_row_and_key_loads_are_found():
-    """The captured loads a kernel may make once per query row or key: integer/boolean ones
-    whose indices depend on q_idx (kv_idx) and b, h alone; outermost, each once."""
+    """The captured loads a kernel may make once per query row or key: those whose indices
+    depend on q_idx (kv_idx) and b, h alone; outermost, each once."""
     from tvmflash.kernels.score_mods import _axis_nodes
 
     doc, keep, bias = torch.zeros(2, 8, dtype=torch.int64), torch.ones(8, dtype=torch.bool), torch.zeros(8)
@@ -140,7 +140,8 @@ def test_row_and_key_loads_are_found():
                                                             s + bias[q] + doc[b, q - kv], s), "score")[0]
     q_doc, kv_doc, kv_keep = (("capture", 0, ("b",), ("q_idx",)), ("capture", 0, ("b",), ("kv_idx",)),
                               ("capture", 1, ("kv_idx",)))
-    assert _axis_nodes(program.node, program.captures, "q_idx") == (q_doc,)  # bias[q] is a float: per score
+    q_bias = ("capture", 2, ("q_idx",))
+    assert _axis_nodes(program.node, program.captures, "q_idx") == (q_doc, q_bias)  # not doc[b, q - kv]
     assert _axis_nodes(program.node, program.captures, "kv_idx") == (kv_doc, kv_keep)
 
 

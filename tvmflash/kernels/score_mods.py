@@ -423,9 +423,9 @@ class ScoreProgram(ScoreMod):
 
 
 def _axis_nodes(node, captures, axis: str) -> tuple:
-    """The integer/boolean captured loads of a program whose indices depend on `axis` ("q_idx"
-    or "kv_idx") alone besides b and h (doc[q_idx], table[b, h, kv_idx // 64]), outermost
-    ones, each once: a kernel may load them once per row (ScorePipeline.row_value) or column
+    """The captured loads of a program whose indices depend on `axis` ("q_idx" or "kv_idx")
+    alone besides b and h (doc[q_idx], table[b, h, kv_idx // 64], slopes[h]), outermost ones,
+    each once: a kernel may load them once per row (ScorePipeline.row_value) or column
     (col_value) instead of once per score."""
     found = []
 
@@ -436,7 +436,7 @@ def _axis_nodes(node, captures, axis: str) -> tuple:
     def walk(n):
         if n[0] == "const":
             return
-        if n[0] == "capture" and kind_of(n, captures) != "f" and leaves(n) <= {"b", "h", axis}:
+        if n[0] == "capture" and leaves(n) <= {"b", "h", axis}:
             if n not in found:
                 found.append(n)
             return
@@ -468,12 +468,16 @@ class _BoundScoreProgram(ScoreProgram):
                      if n not in self.row_nodes)
 
     def row_value(self, b, h, q_idx, c):
-        """Row node c of query row q_idx as an int32 (booleans 0 / 1)."""
-        return tirx.Cast(PROGRAM_INT, self._lower(self.row_nodes[c], None, ScoreIndex(b, h, q_idx, None)))
+        """Row node c of query row q_idx as an int32 (booleans 0 / 1, floats their bits)."""
+        return self._held(self.row_nodes[c], ScoreIndex(b, h, q_idx, None))
 
     def col_value(self, b, h, kv_idx, c):
-        """Column node c of key kv_idx as an int32 (booleans 0 / 1)."""
-        return tirx.Cast(PROGRAM_INT, self._lower(self.col_nodes[c], None, ScoreIndex(b, h, None, kv_idx)))
+        """Column node c of key kv_idx as an int32 (booleans 0 / 1, floats their bits)."""
+        return self._held(self.col_nodes[c], ScoreIndex(b, h, None, kv_idx))
+
+    def _held(self, node, ix):
+        value = self._lower(node, None, ix)
+        return tirx.reinterpret(PROGRAM_INT, value) if self._kind(node) == "f" else tirx.Cast(PROGRAM_INT, value)
 
     def kv_list(self, q_lo, at):
         """(count, k0 of the j-th tile, index of the first tile of a full block) walking only
@@ -550,9 +554,11 @@ class _BoundScoreProgram(ScoreProgram):
         if op == "capture":
             for held, nodes, offset in ((ix.row, self.row_nodes, self.row_offset),
                                         (ix.col, self.col_nodes, self.col_offset)):
-                if held is not None and node in nodes:  # loaded once per row / column
-                    value = held[offset + nodes.index(node)]
-                    return value != tirx.const(0, PROGRAM_INT) if self._kind(node) == "b" else value
+                if held is not None and node in nodes:  # loaded once per row / column (_held)
+                    value, kind = held[offset + nodes.index(node)], self._kind(node)
+                    if kind == "f":
+                        return tirx.reinterpret(F32, value)
+                    return value != tirx.const(0, PROGRAM_INT) if kind == "b" else value
             buf = self.captures[node[1]]
             index = [tirx.max(tirx.min(tirx.Cast("int64", self._as(self._lower(i, score, ix), "i", i)), n - 1),
                               tirx.const(0, "int64")) for i, n in zip(node[2:], buf.shape)]
