@@ -17,7 +17,7 @@ from tvm.script import tirx as T
 from tvm.script.ir_builder import tirx as irb
 
 from tvmflash.kernels.common import LOG2E, NEG_INF
-from tvmflash.kernels.score_mods import ScoreIndex, with_kv_parts
+from tvmflash.kernels.score_mods import ScoreIndex, unrolled_choice, with_kv_parts
 
 LN2 = math.log(2.0)
 PAD = 8  # elements of padding per shared-memory row
@@ -267,7 +267,7 @@ def pick_values(per_half: list, hh):
     """per_half[hh] (bound_values of a thread's rows g and g + 8) for an unrolled loop's hh."""
     if per_half[0] is None:
         return None
-    return tuple(tirx.Select(hh == 0, a, b) for a, b in zip(*per_half))
+    return tuple(unrolled_choice(list(pair), hh) for pair in zip(*per_half))
 
 
 @T.inline

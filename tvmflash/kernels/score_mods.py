@@ -43,9 +43,10 @@ class TileAt:
 class ScoreIndex:
     """Where a score sits: batch, query head, absolute query row and key row (int64 exprs).
     `row` (`col`): the query row's (key's) values that `ScorePipeline.row_values` (col_values)
-    asked for, where the kernel loaded them once per row (column) instead of once per score. `kv_parts`: kv_idx as
-    (a part shared by a tile's scores, a part the compiler unrolls to a constant), where the
-    kernel knows it (modifiers may convert the first once per tile, `with_kv_parts`)."""
+    asked for, where the kernel loaded them once per row (key) instead of once per score.
+    `kv_parts`: kv_idx as (a part shared by a tile's scores, a part the compiler unrolls to a
+    constant), where the kernel knows it (modifiers may convert the first once per tile,
+    `with_kv_parts`)."""
 
     b: tirx.PrimExpr
     h: tirx.PrimExpr
@@ -657,7 +658,7 @@ class KVWalk:
         return j < self.count if live is None else tirx.all(j < self.count, live)
 
 
-def _pick(values: list, c):
+def unrolled_choice(values: list, c):
     """values[c] for an int c or, from an unrolled loop, a loop variable (the choice then folds
     to one value once the loop is unrolled)."""
     if isinstance(c, int):
@@ -685,8 +686,8 @@ class ScorePipeline:
         self.dropout = next((m for m in bound if isinstance(m, BoundDropout)), None)
         self.seqs = next((m for m in bound if isinstance(m, _BoundVarlen)), None)
         self.mods = [m for m in bound if not isinstance(m, (BoundDropout, _BoundVarlen))]
-        # flex programs' row-only loads (packed sequences take no flex programs): each program
-        # finds its own at its offset into ScoreIndex.row
+        # flex programs' row-only and key-only loads (packed sequences take no flex programs):
+        # each program finds its own at its offsets into ScoreIndex.row / .col
         rows = cols = 0
         for i, m in enumerate(self.mods):
             if isinstance(m, _BoundScoreProgram):
@@ -728,7 +729,8 @@ class ScorePipeline:
         """Row value c (an int or, from an unrolled loop, a loop variable) of row q_idx."""
         if self.seqs is not None:
             return self.seqs.row_value(q_idx, c)
-        return _pick([m.row_value(b, h, q_idx, k) for m in self.programs for k in range(len(m.row_nodes))], c)
+        values = [m.row_value(b, h, q_idx, k) for m in self.programs for k in range(len(m.row_nodes))]
+        return unrolled_choice(values, c)
 
     @property
     def col_values(self) -> int:
@@ -738,7 +740,8 @@ class ScorePipeline:
         return sum(len(m.col_nodes) for m in self.programs)
 
     def col_value(self, b, h, kv_idx, c):
-        return _pick([m.col_value(b, h, kv_idx, k) for m in self.programs for k in range(len(m.col_nodes))], c)
+        values = [m.col_value(b, h, kv_idx, k) for m in self.programs for k in range(len(m.col_nodes))]
+        return unrolled_choice(values, c)
 
     def _local(self, ix: ScoreIndex):
         """The index and shape the modifiers see (a packed sequence's own)."""
