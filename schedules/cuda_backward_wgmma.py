@@ -33,6 +33,7 @@ Knobs (`default_knobs`; tuned values in tuning_logs/cuda/ (tvmflash.tuning)):
     bwd_wgmma_warpgroups  warpgroups per CTA (keys per CTA = 64 * warpgroups)
     bwd_wgmma_block_m     queries per streamed q-block (64 or 128; 128 halves the per-step
                           overhead at small head dims, S^T and dP^T take twice the registers)
+    bwd_cta_order_l2_mb   MiB of Q / dO the CTAs in flight may share (`grid_position`)
 """
 from __future__ import annotations
 
@@ -46,11 +47,11 @@ from tvmflash.spec import AttentionSpec
 
 from .cuda_backward import DqAccLayout, _check, _declare
 from .cuda_mma import (QStepWalk, SequenceTiles, advance, batch_and_head, copy_row_stats, dropout_cols_t, dropped_ds,
-                       locate_tile, thread_row_stats, transposed_probabilities)
+                       grid_position, locate_tile, thread_row_stats, transposed_probabilities)
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
                          gemm_ss_kmajor, gemm_ss_mnmajor, wgmma_op)
 
-DEFAULTS = {"bwd_wgmma": 1, "bwd_wgmma_warpgroups": 2, "bwd_wgmma_block_m": 64}
+DEFAULTS = {"bwd_wgmma": 1, "bwd_wgmma_warpgroups": 2, "bwd_wgmma_block_m": 64, "bwd_cta_order_l2_mb": 8}
 
 
 def supports(spec: AttentionSpec, arch: str) -> bool:
@@ -124,21 +125,30 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         T.device_entry()
         tiles = T.meta_var(SequenceTiles(score, LQ, LK, BN, keys=True))  # packed sequences' own key tiles
         drop = T.meta_var(score.dropout)
-        bx, bh = T.cta_id([T.Cast("int32", tiles.count), T.Cast("int32", B * HK)])
+        count = T.meta_var(T.Cast("int64", tiles.count))
+        cta = T.cta_id([T.Cast("int32", count * B * HK)])
         tid = T.thread_id([NT])
+        # this CTA's (key tile, batch x kv-head): under a causal mask the first key tiles see
+        # the most queries, and rank r is tile r; a kv-head's CTAs share the Q and dO of its group
+        place = T.alloc_local([2], "int64")
+        rank, pair = T.meta_var(grid_position(cta, count, B * HK, 1, tirx.truncdiv(H, HK) * LQ * (4 * D),
+                                              knobs["bwd_cta_order_l2_mb"] << 20))
+        place[0] = rank
+        place[1] = pair
+        bx = T.meta_var(place[0])
         # batch, kv-head and group size in registers: the loop would redo their divisions
         bhg = T.alloc_local([3], "int64")
-        bhg[0] = batch_and_head(bh, HK)[0]
-        bhg[1] = batch_and_head(bh, HK)[1]
+        bhg[0] = batch_and_head(place[1], HK)[0]
+        bhg[1] = batch_and_head(place[1], HK)[1]
         bhg[2] = tirx.truncdiv(H, HK)
         b, hk, G = T.meta_var((bhg[0], bhg[1], bhg[2]))
         lane = T.meta_var(tid % 32)
         wg = T.meta_var(tid // 128)
         seq = T.alloc_local([tiles.registers()], "int64")
-        locate_tile(tiles, seq, T.Cast("int64", bx))
+        locate_tile(tiles, seq, bx)
         # where the tile lies: scores see (bs, queries and keys from 0 (q0, k0), the sequence's
         # lengths lq, lk, tscore); the tensors' rows start at q_start + q0 and k_start + k0
-        bs, q_start, k_start, k0, lq, lk, tscore = T.meta_var(tiles.where(seq, T.Cast("int64", bx), b))
+        bs, q_start, k_start, k0, lq, lk, tscore = T.meta_var(tiles.where(seq, bx, b))
         kr = T.meta_var(tid // 32 * 16)            # this warp's key rows in the tile
         pool = T.alloc_buffer((POOL,), dt, scope="shared.dyn", align=ATOM_BYTES)
         stats = T.alloc_buffer((SLOTS, 2, BM), F32, scope="shared", align=16)  # [slot][lse2|delta][q]

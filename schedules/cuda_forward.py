@@ -21,6 +21,7 @@ Knobs (`DEFAULTS`, tuned values in tuning_logs/cuda/ (tvmflash.tuning)):
                    reload them from shared memory instead, to stay clear of spills)
     warp_m_tiles   16-row m-tiles per warp (1 or 2)
     stages         K/V buffers (2 or 3)
+    cta_order_l2_mb MiB of K/V the CTAs in flight may share (`grid_position`)
 """
 from __future__ import annotations
 
@@ -33,11 +34,11 @@ from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.kernels.score_mods import TileAt
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (PAD, SequenceTiles, batch_and_head, copy_rows, dropout_rows, load_a, load_b, load_b_trans,
-                       load_row_values, locate_tile, mma_16x16, mma_op, query_rows, rescale_rows, row_values_size,
-                       smem_scope, softmax_tile, store_output, to_a_fragments)
+from .cuda_mma import (PAD, SequenceTiles, batch_and_head, copy_rows, dropout_rows, grid_position, load_a, load_b,
+                       load_b_trans, load_row_values, locate_tile, mma_16x16, mma_op, query_rows, rescale_rows,
+                       row_values_size, smem_scope, softmax_tile, store_output, to_a_fragments)
 
-DEFAULTS = {"block_m": 128, "block_n": 64, "q_in_registers": 1, "warp_m_tiles": 1, "stages": 2}
+DEFAULTS = {"block_m": 128, "block_n": 64, "q_in_registers": 1, "warp_m_tiles": 1, "stages": 2, "cta_order_l2_mb": 8}
 
 
 def default_knobs(spec: AttentionSpec) -> dict:
@@ -84,17 +85,27 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         Q, K, V, O, LSE, scale, score = T.meta_var(declare_forward_args(spec, shape))
         T.device_entry()
         tiles = T.meta_var(SequenceTiles(score, LQ, LK, BM))  # packed sequences' own query tiles
-        bx, bh = T.cta_id([T.Cast("int32", tiles.count), T.Cast("int32", B * H)])
+        count = T.meta_var(T.Cast("int64", tiles.count))
+        cta = T.cta_id([T.Cast("int32", count * B * H)])
         tid = T.thread_id([NT])
-        b, h = T.meta_var(batch_and_head(bh, H))
+        place = T.alloc_local([2], "int64")  # this CTA's (tile rank, batch x head)
+        # K and V: 2 x D 16-bit elements a key
+        rank, pair = T.meta_var(grid_position(cta, count, B * H, tirx.truncdiv(H, HK), LK * (4 * D),
+                                              knobs["cta_order_l2_mb"] << 20))
+        place[0] = rank
+        place[1] = pair
+        b, h = T.meta_var(batch_and_head(place[1], H))
+        # tiles in reverse: under a causal mask the last ones have the most keys, and the
+        # longest CTAs should start first
+        bx = T.meta_var(count - 1 - place[0])
         hk = T.meta_var(tirx.truncdiv(h, tirx.truncdiv(H, HK)))
         warp = T.meta_var(tid // 32)
         lane = T.meta_var(tid % 32)
         seq = T.alloc_local([tiles.registers()], "int64")
-        locate_tile(tiles, seq, T.Cast("int64", bx))
+        locate_tile(tiles, seq, bx)
         # scores see (bs, the sequence's q0.., its lengths lq, lk, tscore); the tensors' rows
         # start at q_start + q0 and k_start + key
-        bs, q_start, k_start, q0, lq, lk, tscore = T.meta_var(tiles.where(seq, T.Cast("int64", bx), b))
+        bs, q_start, k_start, q0, lq, lk, tscore = T.meta_var(tiles.where(seq, bx, b))
         row0 = T.meta_var(warp * WM)   # this warp's first row in the tile
         pool = T.alloc_buffer((ROWS, D + PAD), dt, scope=SCOPE, align=128)
         qf = T.alloc_local([MT * (D // 16 if q_regs else 1) * 4], "uint32")

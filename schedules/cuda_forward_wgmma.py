@@ -16,6 +16,8 @@ Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/ (tvmflash.tuning)):
     forward_wgmma     1: this kernel where `supports` says so; 0: the mma.sync kernel
     wgmma_block_n     key rows per K/V tile (a multiple of 16)
     wgmma_warpgroups  warpgroups per CTA (block_m = 64 * warpgroups)
+    cta_order_l2_mb   MiB of K/V the CTAs in flight may share (`grid_position`: the L2 that
+                      the tile ranks of several heads, taken in turn, may fill)
 """
 from __future__ import annotations
 
@@ -28,12 +30,12 @@ from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.kernels.score_mods import TileAt
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (SequenceTiles, batch_and_head, dropout_rows, load_row_values, locate_tile, query_rows,
-                       rescale_rows, row_values_size, softmax_tile, store_output, to_a_fragments)
+from .cuda_mma import (SequenceTiles, batch_and_head, dropout_rows, grid_position, load_row_values, locate_tile,
+                       query_rows, rescale_rows, row_values_size, softmax_tile, store_output, to_a_fragments)
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
                          gemm_ss_kmajor, wgmma_op)
 
-DEFAULTS = {"forward_wgmma": 1, "wgmma_block_n": 128, "wgmma_warpgroups": 2}
+DEFAULTS = {"forward_wgmma": 1, "wgmma_block_n": 128, "wgmma_warpgroups": 2, "cta_order_l2_mb": 8}
 # a block mask's kv tiles whose first keys a CTA stages in shared memory (the lists' loads
 # and index arithmetic leave the loop); tiles past this many read the lists in place
 LISTED_TILES = 1024
@@ -81,16 +83,23 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         Q, K, V, O, LSE, scale, score = T.meta_var(declare_forward_args(spec, shape))
         T.device_entry()
         tiles = T.meta_var(SequenceTiles(score, LQ, LK, BM))  # packed sequences' own query tiles
-        bx, bh = T.cta_id([T.Cast("int32", tiles.count), T.Cast("int32", B * H)])
+        count = T.meta_var(T.Cast("int64", tiles.count))
+        cta = T.cta_id([T.Cast("int32", count * B * H)])
         tid = T.thread_id([NT])
-        b, h = T.meta_var(batch_and_head(bh, H))
+        place = T.alloc_local([2], "int64")  # this CTA's (tile rank, batch x head)
+        # K and V: 2 x D 16-bit elements a key
+        rank, pair = T.meta_var(grid_position(cta, count, B * H, tirx.truncdiv(H, HK), LK * (4 * D),
+                                              knobs["cta_order_l2_mb"] << 20))
+        place[0] = rank
+        place[1] = pair
+        b, h = T.meta_var(batch_and_head(place[1], H))
         hk = T.meta_var(tirx.truncdiv(h, tirx.truncdiv(H, HK)))
         lane = T.meta_var(tid % 32)
         wg = T.meta_var(tid // 128)
         seq = T.alloc_local([tiles.registers()], "int64")
         # tiles in reverse: under a causal mask the last ones have the most keys, and the
         # longest CTAs should start first
-        tile = T.meta_var(T.Cast("int64", tiles.count) - 1 - bx)
+        tile = T.meta_var(count - 1 - place[0])
         locate_tile(tiles, seq, tile)
         # where the tile lies: scores see (bs, the sequence's q0.., its lengths lq, lk, tscore);
         # the tensors' rows start at q_start + q0 and k_start + key

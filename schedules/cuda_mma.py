@@ -46,6 +46,23 @@ def batch_and_head(bh, heads):
     return tirx.truncdiv(bh, heads), tirx.truncmod(bh, heads)
 
 
+def grid_position(cta, tiles, pairs, group, kv_bytes, l2_bytes):
+    """(tile rank, batch x head pair) of CTA `cta` of a one-dimensional grid over tiles x
+    pairs. CTAs start in grid order, so ranks go major: every pair's rank-0 tile (a kernel's
+    longest, under a causal mask) starts before any rank-1 tile, and the short tiles of all
+    pairs fill the tail, where pair-major order left each pair's short tiles between the next
+    pair's long ones and ended on one pair's (a tail of up to a quarter of a 4k causal call).
+    Ranks go major within sections of consecutive pairs whose K and V (`kv_bytes` a kv-head,
+    `group` query heads to one) fit in `l2_bytes`: the CTAs in flight then read K/V that stays
+    in L2, as with pair-major order. All arguments are non-negative (truncating division)."""
+    cta = tirx.Cast("int64", cta)
+    per_section = tirx.min(tirx.max(tirx.truncdiv(tirx.const(l2_bytes, "int64"), kv_bytes), 1) * group, pairs)
+    first = tirx.truncdiv(cta, per_section * tiles) * per_section
+    within = cta - first * tiles
+    width = tirx.min(per_section, pairs - first)
+    return tirx.truncdiv(within, width), first + tirx.truncmod(within, width)
+
+
 class QStepWalk:
     """The steps of a kv-block's CTA in the backward: every (head of the GQA group, q-block
     that sees the keys k0..k1) in order. A step is a 2-element int64 buffer (head in the group,

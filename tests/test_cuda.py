@@ -107,6 +107,27 @@ def test_dq_accumulator_layout_is_a_permutation_with_a_run_per_block_row(head_di
                 assert flat(layout.row_start(lq, part, row + 1)) == start + layout.cols
 
 
+@needs_compiler
+@pytest.mark.parametrize("tiles,pairs,group,kv_mib,l2_mib", [(32, 16, 1, 2, 8), (7, 6, 2, 2, 8), (5, 3, 1, 64, 8),
+                                                              (4, 10, 1, 1, 3), (3, 1, 4, 1, 8)])
+def test_grid_position_is_rank_major_within_sections_that_fit_l2(tiles, pairs, group, kv_mib, l2_mib):
+    # the CTAs (one-dimensional grid, started in order) cover every (tile rank, pair) once,
+    # ranks major within sections of consecutive pairs whose K/V fit in the L2 share
+    import tvm
+    from tvmflash.schedules.cuda_mma import grid_position
+
+    analyzer = tvm.sym.Analyzer()
+    places = [tuple(int(analyzer.simplify(x)) for x in grid_position(c, tiles, pairs, group, kv_mib << 20, l2_mib << 20))
+              for c in range(tiles * pairs)]
+    assert sorted(places) == [(r, p) for r in range(tiles) for p in range(pairs)]
+    per_section = min(max(l2_mib // kv_mib, 1) * group, pairs)
+    for first in range(0, pairs, per_section):
+        section = [pl for pl in places if first <= pl[1] < first + per_section]
+        assert section == places[first * tiles:(first + len(section) // tiles) * tiles]  # one run of CTAs
+        assert [r for r, _ in section] == sorted(r for r, _ in section)  # ranks major
+        assert -(-len({p for _, p in section}) // group) * kv_mib <= max(l2_mib, kv_mib)  # K/V fit (or one kv-head)
+
+
 @needs_nvcc
 def test_cuda_module_builds_for_sm80(tmp_path):
     from tvmflash.build import build_module, cuda_target
