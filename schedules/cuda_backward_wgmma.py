@@ -125,13 +125,13 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         T.device_entry()
         tiles = T.meta_var(SequenceTiles(score, LQ, LK, BN, keys=True))  # packed sequences' own key tiles
         drop = T.meta_var(score.dropout)
-        count = T.meta_var(T.Cast("int64", tiles.count))
-        cta = T.cta_id([T.Cast("int32", count * B * HK)])
+        ntiles = T.meta_var(T.Cast("int64", tiles.count))
+        cta = T.cta_id([T.Cast("int32", ntiles * B * HK)])
         tid = T.thread_id([NT])
         # this CTA's (key tile, batch x kv-head): under a causal mask the first key tiles see
         # the most queries, and rank r is tile r; a kv-head's CTAs share the Q and dO of its group
         place = T.alloc_local([2], "int64")
-        rank, pair = T.meta_var(grid_position(cta, count, B * HK, 1, tirx.truncdiv(H, HK) * LQ * (4 * D),
+        rank, pair = T.meta_var(grid_position(cta, ntiles, B * HK, 1, tirx.truncdiv(H, HK) * LQ * (4 * D),
                                               knobs["bwd_cta_order_l2_mb"] << 20))
         place[0] = rank
         place[1] = pair

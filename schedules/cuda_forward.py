@@ -85,19 +85,19 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         Q, K, V, O, LSE, scale, score = T.meta_var(declare_forward_args(spec, shape))
         T.device_entry()
         tiles = T.meta_var(SequenceTiles(score, LQ, LK, BM))  # packed sequences' own query tiles
-        count = T.meta_var(T.Cast("int64", tiles.count))
-        cta = T.cta_id([T.Cast("int32", count * B * H)])
+        ntiles = T.meta_var(T.Cast("int64", tiles.count))
+        cta = T.cta_id([T.Cast("int32", ntiles * B * H)])
         tid = T.thread_id([NT])
         place = T.alloc_local([2], "int64")  # this CTA's (tile rank, batch x head)
         # K and V: 2 x D 16-bit elements a key
-        rank, pair = T.meta_var(grid_position(cta, count, B * H, tirx.truncdiv(H, HK), LK * (4 * D),
+        rank, pair = T.meta_var(grid_position(cta, ntiles, B * H, tirx.truncdiv(H, HK), LK * (4 * D),
                                               knobs["cta_order_l2_mb"] << 20))
         place[0] = rank
         place[1] = pair
         b, h = T.meta_var(batch_and_head(place[1], H))
         # tiles in reverse: under a causal mask the last ones have the most keys, and the
         # longest CTAs should start first
-        bx = T.meta_var(count - 1 - place[0])
+        bx = T.meta_var(ntiles - 1 - place[0])
         hk = T.meta_var(tirx.truncdiv(h, tirx.truncdiv(H, HK)))
         warp = T.meta_var(tid // 32)
         lane = T.meta_var(tid % 32)
