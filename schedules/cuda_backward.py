@@ -29,6 +29,8 @@ Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/ (tvmflash.tuning)):
     bwd_d_split   CTAs per kv-block, each owning D / bwd_d_split gradient columns (large D)
     dq_block_m    queries per dQ CTA (16 per warp), deterministic path
     dq_block_n    keys per K/V tile of the dQ kernel
+    bwd_cta_order_l2_mb  MiB of Q / dO the dK/dV CTAs in flight may share (`grid_position`)
+    bwd_cta_order_l2_mb  MiB of Q / dO the dK/dV CTAs in flight may share (`grid_position`)
 """
 from __future__ import annotations
 
@@ -44,11 +46,11 @@ from tvmflash.kernels.score_mods import ScoreIndex, ScorePipeline, TileAt
 from tvmflash.spec import AttentionSpec
 
 from .cuda_mma import (PAD, QStepWalk, advance, batch_and_head, bound_values, copy_row_stats, copy_rows,
-                       dropout_cols_t, dropout_rows, dropped_ds, exp2_into, load_a_trans, mma_op, pick_values,
-                       smem_scope, transposed_probabilities, warp_gemm_nt, warp_gemm_rn)
+                       dropout_cols_t, dropout_rows, dropped_ds, exp2_into, grid_position, load_a_trans, mma_op,
+                       pick_values, smem_scope, transposed_probabilities, warp_gemm_nt, warp_gemm_rn)
 
 DEFAULTS = {"bwd_block_n": 128, "bwd_block_m": 64, "bwd_stages": 3, "bwd_dq_chunk": 32, "bwd_d_split": 1,
-            "dq_block_m": 64, "dq_block_n": 64}
+            "dq_block_m": 64, "dq_block_n": 64, "bwd_cta_order_l2_mb": 8}
 ROWS_PER_CTA = 8  # prep / convert kernels: one warp per row
 
 
@@ -234,10 +236,18 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics:
         T.func_attr({"tirx.noalias": True})
         Q, K, V, DO, LSE2, DELTA, DK, DV, DQ_ACC, scale, score = T.meta_var(declare())
         T.device_entry()
-        bx, bh = T.cta_id([T.Cast("int32", (LK + BN - 1) // BN * DS), T.Cast("int32", B * HK)])
+        ntiles = T.meta_var((LK + BN - 1) // BN * DS)
+        cta = T.cta_id([T.Cast("int32", ntiles * B * HK)])
         tid = T.thread_id([NT])
-        b, hk = T.meta_var(batch_and_head(bh, HK))
+        # this CTA's (key tile x column split, batch x kv-head), ranks major (grid_position):
+        # under a causal mask the first key tiles see the most queries
+        place = T.alloc_local([2], "int64")
         G = T.meta_var(tirx.truncdiv(H, HK))
+        rank, pair = T.meta_var(grid_position(cta, ntiles, B * HK, 1, G * LQ * (4 * D), knobs["bwd_cta_order_l2_mb"] << 20))
+        place[0] = rank
+        place[1] = pair
+        bx = T.meta_var(place[0])
+        b, hk = T.meta_var(batch_and_head(place[1], HK))
         warp = T.meta_var(tid // 32)
         lane = T.meta_var(tid % 32)
         k0 = T.meta_var(T.Cast("int64", bx // DS) * BN)
