@@ -30,7 +30,6 @@ Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/ (tvmflash.tuning)):
     dq_block_m    queries per dQ CTA (16 per warp), deterministic path
     dq_block_n    keys per K/V tile of the dQ kernel
     bwd_cta_order_l2_mb  MiB of Q / dO the dK/dV CTAs in flight may share (`grid_position`)
-    bwd_cta_order_l2_mb  MiB of Q / dO the dK/dV CTAs in flight may share (`grid_position`)
 """
 from __future__ import annotations
 
@@ -45,9 +44,9 @@ from tvmflash.kernels.dropout import check_dropout_blocks
 from tvmflash.kernels.score_mods import ScoreIndex, ScorePipeline, TileAt
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (PAD, QStepWalk, advance, batch_and_head, bound_values, copy_row_stats, copy_rows,
-                       dropout_cols_t, dropout_rows, dropped_ds, exp2_into, grid_position, load_a_trans, mma_op,
-                       pick_values, smem_scope, transposed_probabilities, warp_gemm_nt, warp_gemm_rn)
+from .cuda_mma import (PAD, QStepWalk, advance, batch_and_head, bound_values, copy_row_stats, copy_rows, cta_position,
+                       dropout_cols_t, dropout_rows, dropped_ds, exp2_into, load_a_trans, mma_op, pick_values,
+                       smem_scope, transposed_probabilities, warp_gemm_nt, warp_gemm_rn)
 
 DEFAULTS = {"bwd_block_n": 128, "bwd_block_m": 64, "bwd_stages": 3, "bwd_dq_chunk": 32, "bwd_d_split": 1,
             "dq_block_m": 64, "dq_block_n": 64, "bwd_cta_order_l2_mb": 8}
@@ -243,9 +242,7 @@ def dkdv_kernel(spec: AttentionSpec, knobs: dict, with_dq: bool, vector_atomics:
         # under a causal mask the first key tiles see the most queries
         place = T.alloc_local([2], "int64")
         G = T.meta_var(tirx.truncdiv(H, HK))
-        rank, pair = T.meta_var(grid_position(cta, ntiles, B * HK, 1, G * LQ * (4 * D), knobs["bwd_cta_order_l2_mb"] << 20))
-        place[0] = rank
-        place[1] = pair
+        cta_position(place, cta, ntiles, B * HK, 1, G * LQ * (4 * D), knobs["bwd_cta_order_l2_mb"] << 20)
         bx = T.meta_var(place[0])
         b, hk = T.meta_var(batch_and_head(place[1], HK))
         warp = T.meta_var(tid // 32)

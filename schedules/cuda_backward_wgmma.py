@@ -46,8 +46,8 @@ from tvmflash.kernels.score_mods import TileAt, grad_from_output
 from tvmflash.spec import AttentionSpec
 
 from .cuda_backward import DqAccLayout, _check, _declare
-from .cuda_mma import (QStepWalk, SequenceTiles, advance, batch_and_head, copy_row_stats, dropout_cols_t, dropped_ds,
-                       grid_position, locate_tile, thread_row_stats, transposed_probabilities)
+from .cuda_mma import (QStepWalk, SequenceTiles, advance, batch_and_head, copy_row_stats, cta_position, dropout_cols_t,
+                       dropped_ds, locate_tile, thread_row_stats, transposed_probabilities)
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
                          gemm_ss_kmajor, gemm_ss_mnmajor, wgmma_op)
 
@@ -131,10 +131,8 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         # this CTA's (key tile, batch x kv-head): under a causal mask the first key tiles see
         # the most queries, and rank r is tile r; a kv-head's CTAs share the Q and dO of its group
         place = T.alloc_local([2], "int64")
-        rank, pair = T.meta_var(grid_position(cta, ntiles, B * HK, 1, tirx.truncdiv(H, HK) * LQ * (4 * D),
-                                              knobs["bwd_cta_order_l2_mb"] << 20))
-        place[0] = rank
-        place[1] = pair
+        cta_position(place, cta, ntiles, B * HK, 1, tirx.truncdiv(H, HK) * LQ * (4 * D),
+                     knobs["bwd_cta_order_l2_mb"] << 20)
         bx = T.meta_var(place[0])
         # batch, kv-head and group size in registers: the loop would redo their divisions
         bhg = T.alloc_local([3], "int64")

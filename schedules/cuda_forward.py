@@ -34,7 +34,7 @@ from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.kernels.score_mods import TileAt
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (PAD, SequenceTiles, batch_and_head, copy_rows, dropout_rows, grid_position, load_a, load_b,
+from .cuda_mma import (PAD, SequenceTiles, batch_and_head, copy_rows, cta_position, dropout_rows, load_a, load_b,
                        load_b_trans, load_row_values, locate_tile, mma_16x16, mma_op, query_rows, rescale_rows,
                        row_values_size, smem_scope, softmax_tile, store_output, to_a_fragments)
 
@@ -90,10 +90,7 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         tid = T.thread_id([NT])
         place = T.alloc_local([2], "int64")  # this CTA's (tile rank, batch x head)
         # K and V: 2 x D 16-bit elements a key
-        rank, pair = T.meta_var(grid_position(cta, ntiles, B * H, tirx.truncdiv(H, HK), LK * (4 * D),
-                                              knobs["cta_order_l2_mb"] << 20))
-        place[0] = rank
-        place[1] = pair
+        cta_position(place, cta, ntiles, B * H, tirx.truncdiv(H, HK), LK * (4 * D), knobs["cta_order_l2_mb"] << 20)
         b, h = T.meta_var(batch_and_head(place[1], H))
         # tiles in reverse: under a causal mask the last ones have the most keys, and the
         # longest CTAs should start first

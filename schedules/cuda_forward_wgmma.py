@@ -30,7 +30,7 @@ from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.kernels.score_mods import TileAt
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (SequenceTiles, batch_and_head, dropout_rows, grid_position, load_row_values, locate_tile,
+from .cuda_mma import (SequenceTiles, batch_and_head, cta_position, dropout_rows, load_row_values, locate_tile,
                        query_rows, rescale_rows, row_values_size, softmax_tile, store_output, to_a_fragments)
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
                          gemm_ss_kmajor, wgmma_op)
@@ -88,10 +88,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         tid = T.thread_id([NT])
         place = T.alloc_local([2], "int64")  # this CTA's (tile rank, batch x head)
         # K and V: 2 x D 16-bit elements a key
-        rank, pair = T.meta_var(grid_position(cta, ntiles, B * H, tirx.truncdiv(H, HK), LK * (4 * D),
-                                              knobs["cta_order_l2_mb"] << 20))
-        place[0] = rank
-        place[1] = pair
+        cta_position(place, cta, ntiles, B * H, tirx.truncdiv(H, HK), LK * (4 * D), knobs["cta_order_l2_mb"] << 20)
         b, h = T.meta_var(batch_and_head(place[1], H))
         hk = T.meta_var(tirx.truncdiv(h, tirx.truncdiv(H, HK)))
         lane = T.meta_var(tid % 32)

@@ -63,6 +63,14 @@ def grid_position(cta, tiles, pairs, group, kv_bytes, l2_bytes):
     return tirx.truncdiv(within, width), first + tirx.truncmod(within, width)
 
 
+@T.inline
+def cta_position(place, cta, tiles, pairs, group, kv_bytes, l2_bytes):
+    """place[0], place[1] = grid_position(...) (int64 registers: the kernel reads them often)."""
+    rank, pair = T.meta_var(grid_position(cta, tiles, pairs, group, kv_bytes, l2_bytes))
+    place[0] = rank
+    place[1] = pair
+
+
 class QStepWalk:
     """The steps of a kv-block's CTA in the backward: every (head of the GQA group, q-block
     that sees the keys k0..k1) in order. A step is a 2-element int64 buffer (head in the group,
