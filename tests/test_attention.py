@@ -206,8 +206,10 @@ def test_bottom_right_with_more_queries_than_keys_masks_leading_rows():
     assert torch.isneginf(lse[..., :5]).all() and torch.isfinite(lse[..., 5:]).all()
 
 
-def test_strided_views_from_packed_qkv_and_scale():
-    """q/k/v sliced from one packed tensor go in without copies; softmax_scale is honoured."""
+@pytest.mark.parametrize("scale", [0.3, -0.3])
+def test_strided_views_from_packed_qkv_and_scale(scale):
+    """q/k/v sliced from one packed tensor go in without copies; softmax_scale is honoured,
+    negative ones too."""
     g = torch.Generator().manual_seed(3)
     qkv = torch.randn(2, 37, 3, 4, 64, generator=g)
     q, k, v = qkv.unbind(2)
@@ -216,11 +218,11 @@ def test_strided_views_from_packed_qkv_and_scale():
     to_bhld = lambda x: x.transpose(1, 2)
 
     def run(qh, kh, vh):
-        out = tvmflash.flash_attn_func(to_bhld(qh), to_bhld(kh), to_bhld(vh), softmax_scale=0.3)
+        out = tvmflash.flash_attn_func(to_bhld(qh), to_bhld(kh), to_bhld(vh), softmax_scale=scale)
         return to_bhld(out), None
     # run() receives (B, H, L, D) leaves; hand it strided ones built from the packed tensor
     qh, kh, vh = (to_bhld(x) for x in (q, k, v))
-    check_against_reference(qh, kh, vh, to_bhld(dout), run, scale=0.3)
+    check_against_reference(qh, kh, vh, to_bhld(dout), run, scale=scale)
 
 
 def test_lse_gradient_flows():

@@ -188,6 +188,25 @@ def test_cuda_forward_matches_reference(dtype, d, causal, lq, lk):
 
 
 @needs_gpu
+@pytest.mark.parametrize("d", [96, 128], ids=["mma", "wgmma"])
+@pytest.mark.parametrize("scale", [-0.2, 0.05])
+def test_cuda_softmax_scale_of_either_sign(d, scale):
+    """The forwards take a tile's max over raw scores and scale it after: under a negative
+    softmax_scale the smallest raw score is the max (causal, Lq != Lk: masked tiles too)."""
+    from test_attention import check_against_reference
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, dout = (torch.randn(2, 4, 203, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, 4, 300, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+
+    def run(qh, kh, vh):
+        out, lse, _ = tvmflash.flash_attn_func(*(x.transpose(1, 2) for x in (qh, kh, vh)), softmax_scale=scale,
+                                               causal=True, return_attn_probs=True)
+        return out.transpose(1, 2), lse
+    check_against_reference(q, k, v, dout, run, causal="bottom_right", scale=scale)
+
+
+@needs_gpu
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 def test_cuda_forward_masks(kind):
     g = torch.Generator(device="cuda").manual_seed(1)
