@@ -144,7 +144,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                 # online softmax of the finished S tile (masks and bounds only where needed)
                 full = T.meta_var(None if walk.first_full is None else j >= walk_regs[1])
                 if tscore.tile_unmasked(q0, T.min(q0 + BM, lq), k0, k0 + BN, TileAt(bs, h, (BM, BN)), full):
-                    softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, scale, index, k0, lane, False)
+                    softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, scale, index, k0, lane, False, fold_scale=True)
                 else:
                     softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, scale, index, k0, lane, True)
                 if score.dropout is not None:  # l has the undropped P; O takes P Z

@@ -319,19 +319,20 @@ def pairwise(combine, values):
 
 
 @T.inline
-def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, masked):
+def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, masked, fold_scale=False):
     """One K/V tile of the forward's online softmax on accumulator fragments: n_mt m-tiles of
     16 rows, ns n8 tiles of scores S (k0: the tile's first key). Scores go to the exp2 domain;
     m is the running max and l this lane's partial row sum (two rows per m-tile: g and g + 8,
     shared by the 4 lanes of a quad). Leaves P = exp2(S - m) in s and the factor the output
     rows must be rescaled by in alpha. index(mt, hh, key): the ScoreIndex of the lane's row g
-    (hh = 0) or g + 8 (hh = 1) of m-tile mt (`query_rows`)."""
+    (hh = 0) or g + 8 (hh = 1) of m-tile mt (`query_rows`). `fold_scale`: see `raw` below."""
     by_key = T.meta_var(score.col_values > 0 and (masked or score.changes_values))
-    # Scores a tile leaves unmodified stay raw: their row max is taken first and scaled once,
-    # then each exponent is one multiply-add (s * scale log2 e - max). Scaling every score
-    # before the max cost a multiply per score: the H100 forward issues ~10 instructions a
-    # score, and one fewer was 10-20% of its time.
-    raw = T.meta_var(not masked and not score.changes_values)
+    # With `fold_scale`, scores a tile leaves unmodified stay raw: their row max is taken first
+    # and scaled once, then each exponent is one multiply-add (s * scale log2 e - max). Scaling
+    # every score before the max cost a multiply per score: the wgmma forward issues ~10
+    # instructions a score, and one fewer was 10-20% of its time. (The mma.sync forward, at two
+    # m-tiles a warp, ran 4-20% slower with it on the H100: it keeps the scaled scores.)
+    raw = T.meta_var(fold_scale and not masked and not score.changes_values)
     log2_scale = T.meta_var(scale * T.float32(LOG2E))
     for mt in T.unroll(n_mt):
         if by_key:  # a key's two rows together: its column values (score.col_values) load once
