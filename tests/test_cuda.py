@@ -191,8 +191,9 @@ def test_cuda_forward_matches_reference(dtype, d, causal, lq, lk):
 @pytest.mark.parametrize("d", [96, 128], ids=["mma", "wgmma"])
 @pytest.mark.parametrize("scale", [-0.2, 0.05])
 def test_cuda_softmax_scale_of_either_sign(d, scale):
-    """The forwards take a tile's max over raw scores and scale it after: under a negative
-    softmax_scale the smallest raw score is the max (causal, Lq != Lk: masked tiles too)."""
+    """The wgmma forward (D=128) takes an unmasked tile's max over raw scores and scales it
+    after: under a negative softmax_scale the smallest raw score is the max; the mma.sync
+    forward (D=96) scales first (causal, Lq != Lk: masked tiles too)."""
     from test_attention import check_against_reference
 
     g = torch.Generator(device="cuda").manual_seed(1)
