@@ -5,12 +5,21 @@ epilogue macros); only the GEMMs differ. Head dims that are multiples of 64 (the
 layout's column block) take this kernel on sm_90a; the others stay on `mma.sync`.
 
 Mapping: one CTA per (q-block of 64 * warpgroups rows, batch * head); each warpgroup (128
-threads) owns 64 query rows. Q and two K and two V tiles sit in shared memory in wgmma's
-128B-swizzled layout, filled by every thread with `cp.async`. Per K/V tile:
+threads) owns 64 query rows. Q and rings of K and V tiles sit in shared memory in wgmma's
+128B-swizzled layout, filled with `cp.async`. Per K/V tile:
     S = Q K^T       wgmma m64n{BN}k16, both operands from shared memory (K-major)
     online softmax  on the accumulator registers (the mma.sync layout per warp)
     O += P V        wgmma m64n{D}k16, P from registers, V from shared memory (MN-major)
 wgmma is asynchronous: the softmax of tile j + 1 runs while the tensor cores do P_j V_j.
+
+Two forms of the loop (knob `wgmma_producer`):
+- warp-specialized (FlashAttention-3's structure; two consumer warpgroups): a third warpgroup
+  only copies tiles into rings of `wgmma_stages` slots (mbarriers: a slot full, a slot read by
+  both consumers) and gives its registers to the consumers (`setmaxnreg`); the consumers take
+  turns at the tensor cores (named barriers, `wgmma_pingpong`), so one's softmax runs while the
+  other's GEMMs do. H100, bf16 D=128: 4-13% faster than lockstep (A/B in one process).
+- lockstep: every thread copies, a CTA barrier per tile, rings of two (one warpgroup, and
+  the head dims whose rings do not fit three stages).
 
 Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/ (tvmflash.tuning)):
     forward_wgmma     1: this kernel where `supports` says so; 0: the mma.sync kernel
@@ -18,6 +27,9 @@ Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/ (tvmflash.tuning)):
     wgmma_warpgroups  warpgroups per CTA (block_m = 64 * warpgroups)
     cta_order_l2_mb   MiB of K/V the CTAs in flight may share (`grid_position`: the L2 that
                       the tile ranks of several heads, taken in turn, may fill)
+    wgmma_producer    1: the warp-specialized loop (with two warpgroups), 0: lockstep
+    wgmma_stages      K/V ring slots of the warp-specialized loop (2-4; smem permitting)
+    wgmma_pingpong    1: its consumers take turns at the tensor cores, 0: they issue freely
 """
 from __future__ import annotations
 
@@ -35,9 +47,15 @@ from .cuda_mma import (SequenceTiles, batch_and_head, cta_position, dropout_rows
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
                          gemm_ss_kmajor, wgmma_op)
 
-DEFAULTS = {"forward_wgmma": 1, "wgmma_block_n": 128, "wgmma_warpgroups": 2, "cta_order_l2_mb": 8}
+DEFAULTS = {"forward_wgmma": 1, "wgmma_block_n": 128, "wgmma_warpgroups": 2, "cta_order_l2_mb": 8,
+            "wgmma_producer": 1, "wgmma_stages": 3, "wgmma_pingpong": 1}
+# the warp-specialized loop's producer warpgroup's registers a thread (setmaxnreg); its two
+# consumers share the rest of the 512 a thread slot has over three warpgroups
+PRODUCER_REGS = 40
+SMEM_BYTES = 232448  # a CTA's shared memory on sm_90a
 # a block mask's kv tiles whose first keys a CTA stages in shared memory (the lists' loads
-# and index arithmetic leave the loop); tiles past this many read the lists in place
+# and index arithmetic leave the loop; up to this many, as the tile rings leave room for);
+# tiles past those read the lists in place
 LISTED_TILES = 1024
 
 
@@ -55,6 +73,8 @@ def default_knobs(spec: AttentionSpec) -> dict:
     knobs = dict(DEFAULTS)
     if spec.head_dim > 128:  # the O accumulator takes D/2 registers a thread
         knobs.update(wgmma_block_n=64)
+    if spec.head_dim != 128:  # measured at 128 (at 64 lockstep on one warpgroup was faster)
+        knobs.update(wgmma_producer=0)
     return knobs
 
 
@@ -65,14 +85,26 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         raise ValueError(f"the wgmma forward needs head_dim % 64 == 0, got {spec}")
     if BN % 16 or not 16 <= BN <= 256 or NWG not in (1, 2, 3):
         raise ValueError(f"bad wgmma forward knobs {knobs}")
+    if knobs["wgmma_producer"] not in (0, 1) or knobs["wgmma_stages"] not in (2, 3, 4):
+        raise ValueError(f"bad wgmma forward knobs {knobs}")
+    WS = knobs["wgmma_producer"] == 1 and NWG == 2  # warp-specialized (else lockstep)
+    STAGES = knobs["wgmma_stages"] if WS else 2
+    PINGPONG = WS and knobs["wgmma_pingpong"] == 1
     BM = 64 * NWG
     check_dropout_blocks(spec, BM, BN)
-    NT = 128 * NWG
+    NC = 128 * NWG              # consumer threads (all threads without a producer)
+    NT = NC + 128 * WS
+    CONSUMER_REGS = (512 - PRODUCER_REGS) // NWG // 8 * 8
     NS, ND = BN // 8, D // 8    # n8 accumulator tiles of S and of O
     OP_S, OP_O = wgmma_op(dt, BN), wgmma_op(dt, D)
-    K_OFF = BM * D              # element offsets in the pool: Q | 2 K tiles | 2 V tiles
-    V_OFF = K_OFF + 2 * BN * D
-    POOL = V_OFF + 2 * BN * D
+    K_OFF = BM * D              # element offsets in the pool: Q | STAGES K tiles | STAGES V tiles
+    V_OFF = K_OFF + STAGES * BN * D
+    POOL = V_OFF + STAGES * BN * D
+    FULL, EMPTY_K, EMPTY_V = (i * STAGES for i in range(3))  # mbarriers: a slot's K and V in, each read
+    spare = SMEM_BYTES - 2 * POOL - 256  # bytes the tiles leave (256 for the barriers)
+    if spare < 4:
+        raise ValueError(f"the wgmma forward's tiles do not fit shared memory: {knobs} for {spec.name}")
+    listed = min(LISTED_TILES, spare // 4) if spec.block_sparse else 1  # block-mask tile lists staged
 
     shape = Shape.fresh()
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
@@ -111,9 +143,9 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         m = T.alloc_local([2], F32)  # running max (log2 units) of rows g and g + 8
         rowv = T.alloc_local([row_values_size(tscore, 1)], "int32")  # row values (varlen, flex loads)
         l = T.alloc_local([2], F32)  # running partial sum of this lane's columns
-        mx = T.alloc_local([1], F32)
+        mx = T.alloc_local([2], F32)
         alpha = T.alloc_local([2], F32)
-        listed_k0 = T.alloc_buffer((LISTED_TILES if spec.block_sparse else 1,), "int32", scope="shared")
+        listed_k0 = T.alloc_buffer((listed,), "int32", scope="shared")
         if q0 < lq:  # a packed tile between two sequences' tiles has no rows
             if tscore.row_values > 0:
                 load_row_values(rowv, tscore, 1, bs, h, q0 + row0, lane)
@@ -132,19 +164,20 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             n = T.meta_var(walk_regs[0])
             next_k0 = T.alloc_local([1], "int64")  # the first key of the tile being fetched
             if walk.first_full is not None:  # read after the first tile's barrier
-                for i in T.unroll(LISTED_TILES // NT):
+                for i in T.unroll((listed + NT - 1) // NT):
                     jj = T.meta_var(T.Cast("int64", tid + i * NT))
-                    if jj < n:
+                    if jj < n and jj < listed:
                         listed_k0[jj] = T.Cast("int32", walk.k0(jj))
             tile_k0 = T.meta_var(walk.k0 if walk.first_full is None else lambda j: tirx.if_then_else(
-                j < LISTED_TILES, T.Cast("int64", listed_k0[T.min(j, LISTED_TILES - 1)]), walk.k0(j)))
+                j < listed, T.Cast("int64", listed_k0[T.min(j, listed - 1)]), walk.k0(j)))
 
             @T.inline
             def scores_to_p(k0, j):
                 # online softmax of the finished S tile (masks and bounds only where needed)
                 full = T.meta_var(None if walk.first_full is None else j >= walk_regs[1])
                 if tscore.tile_unmasked(q0, T.min(q0 + BM, lq), k0, k0 + BN, TileAt(bs, h, (BM, BN)), full):
-                    softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, scale, index, k0, lane, False, fold_scale=True)
+                    softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, scale, index, k0, lane, False, fold_scale=True,
+                                 interleave=WS)
                 else:
                     softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, scale, index, k0, lane, True)
                 if score.dropout is not None:  # l has the undropped P; O takes P Z
@@ -153,7 +186,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             @T.inline
             def issue_s(kv_block):
                 T.ptx.wgmma.fence.sync.aligned()
-                gemm_ss_kmajor(OP_S, s, NS * 4, desc_k, wg * 64 * 64, BM, K_OFF + kv_block % 2 * BN * D, BN, D)
+                gemm_ss_kmajor(OP_S, s, NS * 4, desc_k, wg * 64 * 64, BM, K_OFF + kv_block % STAGES * BN * D, BN, D)
                 T.ptx.wgmma.commit_group.sync.aligned()
 
             @T.inline
@@ -164,81 +197,180 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             @T.inline
             def issue_pv(j):
                 T.ptx.wgmma.fence.sync.aligned()
-                gemm_rs_mnmajor(OP_O, o, ND * 4, pw, 0, desc_v, V_OFF + j % 2 * BN * D, BN)
+                gemm_rs_mnmajor(OP_O, o, ND * 4, pw, 0, desc_v, V_OFF + j % STAGES * BN * D, BN)
                 T.ptx.wgmma.commit_group.sync.aligned()
 
             @T.inline
-            def sync_tiles():
-                T.ptx["cp.async.wait_group"](0)
-                # cp.async wrote through the generic proxy; wgmma reads through the async one
-                T.ptx.fence.proxy.async_.shared__cta()
-                T.cuda.cta_sync()
+            def copy_k(slot, k0, t, nt):
+                copy_rows_sw128(pool, K_OFF + slot * BN * D, K, b, hk, k_start + k0, BN, k_start + lk, D, t, nt)
 
             @T.inline
-            def fetch_tiles(j):
-                if j + 2 < n:
-                    next_k0[0] = tile_k0(j + 2)  # once, not per copied row (loads from a block mask's lists)
-                    copy_rows_sw128(pool, K_OFF + j % 2 * BN * D, K, b, hk, k_start + next_k0[0], BN, k_start + lk, D,
-                                    tid, NT)
-                if j + 1 < n:
-                    next_k0[0] = tile_k0(j + 1)
-                    copy_rows_sw128(pool, V_OFF + (j + 1) % 2 * BN * D, V, b, hk, k_start + next_k0[0], BN,
-                                    k_start + lk, D, tid, NT)
-                T.ptx["cp.async.commit_group"]()
+            def copy_v(slot, k0, t, nt):
+                copy_rows_sw128(pool, V_OFF + slot * BN * D, V, b, hk, k_start + k0, BN, k_start + lk, D, t, nt)
 
             kv0 = T.alloc_local([1], "int64")
-            copy_rows_sw128(pool, 0, Q, b, h, q_start + q0, BM, q_start + lq, D, tid, NT)
-            next_k0[0] = walk.k0(0)
-            copy_rows_sw128(pool, K_OFF, K, b, hk, k_start + next_k0[0], BN, k_start + lk, D, tid, NT)
-            copy_rows_sw128(pool, V_OFF, V, b, hk, k_start + next_k0[0], BN, k_start + lk, D, tid, NT)
-            if n > 1:
-                next_k0[0] = walk.k0(1)
-                copy_rows_sw128(pool, K_OFF + BN * D, K, b, hk, k_start + next_k0[0], BN, k_start + lk, D, tid, NT)
-            T.ptx["cp.async.commit_group"]()
-            encode_desc(desc_k, pool, 16, ATOM_BYTES)
-            encode_desc(desc_v, pool, BN * 128, ATOM_BYTES)
             for i in T.unroll(ND * 4):
                 o[i] = T.float32(0)
             for i in T.unroll(2):
                 m[i] = T.min_value(F32)
                 l[i] = T.float32(0)
-            if n > 0:
-                T.ptx["cp.async.wait_group"](0)
-                T.ptx.fence.proxy.async_.shared__cta()
-                T.cuda.cta_sync()
-                issue_s(0)
-                T.ptx.wgmma.wait_group.sync.aligned(0)
-                fence_registers(s, NS * 4)
-                kv0[0] = walk.k0(0)
-                scores_to_p(kv0[0], 0)
-                to_a_fragments(s, p, NS * 4)
+            encode_desc(desc_k, pool, 16, ATOM_BYTES)
+            encode_desc(desc_v, pool, BN * 128, ATOM_BYTES)
+            if WS:
+                # Warp-specialized (FlashAttention-3's structure): the last warpgroup only copies
+                # K/V tiles into a ring of STAGES slots (cp.async; mbarriers say when a slot is
+                # full and when both consumers are done with it), the consumer warpgroups only
+                # compute. Two consumers take turns at the tensor cores (named barriers
+                # TURN + wg): one's GEMMs run while the other's softmax does, where in lockstep
+                # both softmaxes ran at once with the tensor cores idle.
+                bars = T.alloc_buffer((3 * STAGES,), "uint64", scope="shared", align=8)
+                if tid == 0:
+                    for i in T.unroll(STAGES):
+                        T.ptx.mbarrier.init.shared.b64(bars.ptr_to([FULL + i]), T.uint32(128))
+                        T.ptx.mbarrier.init.shared.b64(bars.ptr_to([EMPTY_K + i]), T.uint32(4 * NWG))
+                        T.ptx.mbarrier.init.shared.b64(bars.ptr_to([EMPTY_V + i]), T.uint32(4 * NWG))
+                T.cuda.cta_sync()  # the barriers' init and the listed tiles
+                if wg == NWG:
+                    T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
+                    if n > 0:
+                        copy_rows_sw128(pool, 0, Q, b, h, q_start + q0, BM, q_start + lq, D, tid - NC, 128)
+                    for t in T.serial(n):
+                        slot = T.meta_var(t % STAGES)
+                        refill = T.meta_var(T.Cast("int32", t // STAGES % 2) ^ 1)
+                        next_k0[0] = tile_k0(t)
+                        if t >= STAGES:
+                            T.cuda.mbarrier_wait(bars.ptr_to([EMPTY_K + slot]), refill)
+                        copy_k(slot, next_k0[0], tid - NC, 128)
+                        if t >= STAGES:
+                            T.cuda.mbarrier_wait(bars.ptr_to([EMPTY_V + slot]), refill)
+                        copy_v(slot, next_k0[0], tid - NC, 128)
+                        # one barrier for both (a consumer's wait costs ~100 cycles of its critical path)
+                        T.ptx["cp.async.mbarrier.arrive.noinc.shared.b64"](bars.ptr_to([FULL + slot]))
+                else:
+                    if NWG > 1:
+                        T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
 
-            # Iteration j: S_{j+1} = Q K_{j+1}^T and O += P_j V_j go to the tensor cores back to back;
-            # the softmax of S_{j+1} then runs while the PV product is still in flight. K and V
-            # rings of two: K_{j+2} and V_{j+1} are loaded into the slots of K_j and V_{j-1}, whose
-            # readers every warpgroup finished before the barrier. S_{j+1} goes first and the copies
-            # are issued while the tensor cores compute it: issued before the barrier or after
-            # PV_j (whose issue waits for the tensor cores), they delayed the next GEMM or the
-            # softmax (H100, bf16 D=128 16k: 10% of the forward's time).
-            for j in T.serial(n - 1):
-                sync_tiles()
-                issue_s(j + 1)
-                fetch_tiles(j)
-                prepare_pv()
-                issue_pv(j)
-                T.ptx.wgmma.wait_group.sync.aligned(1)
-                fence_registers(s, NS * 4)
-                kv0[0] = tile_k0(j + 1)
-                scores_to_p(kv0[0], j + 1)
-                T.ptx.wgmma.wait_group.sync.aligned(0)
-                fence_registers(o, ND * 4)
-                to_a_fragments(s, p, NS * 4)
-            if n > 0:
-                sync_tiles()
-                prepare_pv()
-                issue_pv(n - 1)
-                T.ptx.wgmma.wait_group.sync.aligned(0)
-                fence_registers(o, ND * 4)
-            store_output(O, LSE, o, m, l, 1, ND, b, h, q_start + q0 + row0, q_start + lq, lane)
+                    @T.inline
+                    def wait_full(j):  # tile j's K and V in shared memory
+                        T.cuda.mbarrier_wait(bars.ptr_to([FULL + j % STAGES]), T.Cast("int32", j // STAGES % 2))
+                        # cp.async wrote through the generic proxy; wgmma reads through the async one
+                        T.ptx.fence.proxy.async_.shared__cta()
+
+                    @T.inline
+                    def release(which, j):
+                        if lane == 0:
+                            T.ptx.mbarrier.arrive.shared.b64(bars.ptr_to([which + j % STAGES]), T.uint32(1))
+
+                    @T.inline
+                    def take_turn():
+                        if PINGPONG:
+                            T.ptx["bar.sync"](T.Cast("uint32", 1 + wg), T.uint32(NC))
+
+                    @T.inline
+                    def pass_turn():
+                        if PINGPONG:
+                            T.ptx["bar.arrive"](T.Cast("uint32", 2 - wg), T.uint32(NC))
+
+                    if PINGPONG and wg == 1:  # warpgroup 0 goes first
+                        T.ptx["bar.arrive"](T.uint32(1), T.uint32(NC))
+                    if n > 0:
+                        wait_full(0)
+                        take_turn()
+                        issue_s(0)
+                        pass_turn()
+                        T.ptx.wgmma.wait_group.sync.aligned(0)
+                        fence_registers(s, NS * 4)
+                        release(EMPTY_K, 0)
+                        kv0[0] = walk.k0(0)
+                        scores_to_p(kv0[0], 0)
+                        to_a_fragments(s, p, NS * 4)
+                    for j in T.serial(n - 1):
+                        prepare_pv()
+                        wait_full(j + 1)
+                        take_turn()
+                        issue_s(j + 1)
+                        issue_pv(j)
+                        pass_turn()
+                        T.ptx.wgmma.wait_group.sync.aligned(1)
+                        fence_registers(s, NS * 4)
+                        release(EMPTY_K, j + 1)
+                        kv0[0] = tile_k0(j + 1)
+                        scores_to_p(kv0[0], j + 1)
+                        T.ptx.wgmma.wait_group.sync.aligned(0)
+                        fence_registers(o, ND * 4)
+                        release(EMPTY_V, j)
+                        to_a_fragments(s, p, NS * 4)
+                    if n > 0:
+                        prepare_pv()
+                        take_turn()
+                        issue_pv(n - 1)
+                        pass_turn()
+                        T.ptx.wgmma.wait_group.sync.aligned(0)
+                        fence_registers(o, ND * 4)
+                    store_output(O, LSE, o, m, l, 1, ND, b, h, q_start + q0 + row0, q_start + lq, lane)
+            else:
+                @T.inline
+                def sync_tiles():
+                    T.ptx["cp.async.wait_group"](0)
+                    # cp.async wrote through the generic proxy; wgmma reads through the async one
+                    T.ptx.fence.proxy.async_.shared__cta()
+                    T.cuda.cta_sync()
+
+                @T.inline
+                def fetch_tiles(j):
+                    if j + 2 < n:
+                        next_k0[0] = tile_k0(j + 2)  # once, not per copied row (loads from a block mask's lists)
+                        copy_k(j % 2, next_k0[0], tid, NT)
+                    if j + 1 < n:
+                        next_k0[0] = tile_k0(j + 1)
+                        copy_v((j + 1) % 2, next_k0[0], tid, NT)
+                    T.ptx["cp.async.commit_group"]()
+
+                copy_rows_sw128(pool, 0, Q, b, h, q_start + q0, BM, q_start + lq, D, tid, NT)
+                next_k0[0] = walk.k0(0)
+                copy_k(0, next_k0[0], tid, NT)
+                copy_v(0, next_k0[0], tid, NT)
+                if n > 1:
+                    next_k0[0] = walk.k0(1)
+                    copy_k(1, next_k0[0], tid, NT)
+                T.ptx["cp.async.commit_group"]()
+                if n > 0:
+                    T.ptx["cp.async.wait_group"](0)
+                    T.ptx.fence.proxy.async_.shared__cta()
+                    T.cuda.cta_sync()
+                    issue_s(0)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    fence_registers(s, NS * 4)
+                    kv0[0] = walk.k0(0)
+                    scores_to_p(kv0[0], 0)
+                    to_a_fragments(s, p, NS * 4)
+
+                # Iteration j: S_{j+1} = Q K_{j+1}^T and O += P_j V_j go to the tensor cores back to back;
+                # the softmax of S_{j+1} then runs while the PV product is still in flight. K and V
+                # rings of two: K_{j+2} and V_{j+1} are loaded into the slots of K_j and V_{j-1}, whose
+                # readers every warpgroup finished before the barrier. S_{j+1} goes first and the copies
+                # are issued while the tensor cores compute it: issued before the barrier or after
+                # PV_j (whose issue waits for the tensor cores), they delayed the next GEMM or the
+                # softmax (H100, bf16 D=128 16k: 10% of the forward's time).
+                for j in T.serial(n - 1):
+                    sync_tiles()
+                    issue_s(j + 1)
+                    fetch_tiles(j)
+                    prepare_pv()
+                    issue_pv(j)
+                    T.ptx.wgmma.wait_group.sync.aligned(1)
+                    fence_registers(s, NS * 4)
+                    kv0[0] = tile_k0(j + 1)
+                    scores_to_p(kv0[0], j + 1)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    fence_registers(o, ND * 4)
+                    to_a_fragments(s, p, NS * 4)
+                if n > 0:
+                    sync_tiles()
+                    prepare_pv()
+                    issue_pv(n - 1)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    fence_registers(o, ND * 4)
+                store_output(O, LSE, o, m, l, 1, ND, b, h, q_start + q0 + row0, q_start + lq, lane)
 
     return fwd.with_attr("global_symbol", "forward")

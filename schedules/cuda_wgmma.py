@@ -75,9 +75,11 @@ def encode_desc(desc, pool, leading_bytes, stride_bytes):
                                           stride_bytes // 16, SWIZZLE_128B)
 
 
-def desc_at(desc, elem_offset):
-    """The descriptor of the tile at `elem_offset` 16-bit elements into the pool."""
-    return desc[0] + T.Cast("uint64", elem_offset // 8)
+def desc_at(desc, base, offset: int = 0):
+    """The descriptor of the tile at `base` + `offset` 16-bit elements into the pool: `base` a
+    runtime offset the GEMM's steps share (one 64-bit sum for all of them), `offset` a step's
+    constant one."""
+    return desc[0] + T.Cast("uint64", base // 8) + T.uint64(offset // 8)
 
 
 @T.inline
@@ -86,8 +88,8 @@ def gemm_ss_kmajor(op, acc, n_acc, desc, a_base, a_rows, b_base, b_rows, width):
     a_base of an a_rows-row K-major tile, B the b_rows-row K-major tile at b_base (N = b_rows)."""
     for kk in T.unroll(width // 16):
         T.ptx[op](*[acc[i] for i in range(n_acc)],
-                  desc_at(desc, a_base + kk // 4 * (a_rows * 64) + kk % 4 * 16),
-                  desc_at(desc, b_base + kk // 4 * (b_rows * 64) + kk % 4 * 16),
+                  desc_at(desc, a_base, kk // 4 * (a_rows * 64) + kk % 4 * 16),
+                  desc_at(desc, b_base, kk // 4 * (b_rows * 64) + kk % 4 * 16),
                   kk > 0, 1, 1, 0, 0)
 
 
@@ -98,7 +100,7 @@ def gemm_rs_mnmajor(op, acc, n_acc, a, a0, desc, b_base, k_rows):
     for kk in T.unroll(k_rows // 16):
         T.ptx[op](*[acc[i] for i in range(n_acc)],
                   a[a0 + kk * 4], a[a0 + kk * 4 + 1], a[a0 + kk * 4 + 2], a[a0 + kk * 4 + 3],
-                  desc_at(desc, b_base + kk * 16 * 64), True, 1, 1, 1)
+                  desc_at(desc, b_base, kk * 16 * 64), True, 1, 1, 1)
 
 
 @T.inline
@@ -113,5 +115,5 @@ def gemm_ss_mnmajor(op, acc, acc0, n_acc, desc_a, a_base, desc_b, b_base, k_rows
     """acc[acc0:] (64 x N) = A . B with both operands MN-major tiles of k_rows rows (A: the tile
     at a_base holds A^T, 64 columns; B: the tile at b_base holds B, N columns)."""
     for kk in T.unroll(k_rows // 16):
-        T.ptx[op](*[acc[acc0 + i] for i in range(n_acc)], desc_at(desc_a, a_base + kk * 16 * 64),
-                  desc_at(desc_b, b_base + kk * 16 * 64), kk > 0, 1, 1, 1, 1)
+        T.ptx[op](*[acc[acc0 + i] for i in range(n_acc)], desc_at(desc_a, a_base, kk * 16 * 64),
+                  desc_at(desc_b, b_base, kk * 16 * 64), kk > 0, 1, 1, 1, 1)

@@ -55,6 +55,34 @@ def test_cuda_decode_kernel_builds_for_other_warp_counts(warps, block_n):
     build_module(spec, cuda_target("sm_90a"), {"decode_warps": warps, "decode_block_n": block_n})
 
 
+@needs_nvcc
+@pytest.mark.parametrize("knobs", [{}, {"wgmma_stages": 2, "wgmma_pingpong": 0}, {"wgmma_stages": 4, "wgmma_block_n": 64},
+                                   {"wgmma_producer": 0}], ids=["default", "2stages-free", "4stages", "lockstep"])
+def test_wgmma_forward_loop_forms_build(knobs):
+    """The wgmma forward's loops at D=128 build with nvcc: the warp-specialized one (a producer
+    warpgroup, mbarrier rings, named-barrier turns) at the records' knobs and at the other
+    ring depths and free issue a retune may pick, and the lockstep one."""
+    import tvm
+    from tvmflash import build
+
+    kernels = build.cuda_kernels(AttentionSpec("bfloat16", 128, causal="bottom_right"), "sm_90a", knobs)
+    script = kernels["forward"].script()
+    ws = knobs.get("wgmma_producer", 1) == 1
+    assert ("setmaxnreg" in script, "mbarrier" in script) == (ws, ws)
+    assert ("T.ptx.bar(" in script) == (ws and knobs.get("wgmma_pingpong", 1) == 1)  # the turns
+    build._prepare_cuda_codegen()
+    with tvm.target.Target(build.cuda_target("sm_90a")) as target:
+        tvm.compile(tvm.IRModule({"forward": kernels["forward"]}), target=target, tir_pipeline="tirx")
+
+
+@needs_compiler
+def test_wgmma_forward_refuses_rings_that_do_not_fit_shared_memory():
+    from tvmflash.build import cuda_kernels
+
+    with pytest.raises(ValueError, match="shared memory"):
+        cuda_kernels(AttentionSpec("bfloat16", 256), "sm_90a", {"wgmma_producer": 1, "wgmma_stages": 4})
+
+
 @needs_compiler
 def test_hopper_kernels_run_on_wgmma_where_they_take_the_spec():
     from tvmflash.build import cuda_kernels
