@@ -101,10 +101,16 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     V_OFF = K_OFF + STAGES * BN * D
     POOL = V_OFF + STAGES * BN * D
     FULL, EMPTY_K, EMPTY_V = (i * STAGES for i in range(3))  # mbarriers: a slot's K and V in, each read
-    spare = SMEM_BYTES - 2 * POOL - 256  # bytes the tiles leave (256 for the barriers)
+    # Static shared memory: the mbarriers, then the staged block-mask tile list, in one buffer
+    # of whole KiB (the tiles' pool after it stays 1024-byte aligned, as the 128B swizzle needs:
+    # a static part of 2944 bytes put it off and wgmma read garbage)
+    bar_words = 3 * STAGES if WS else 0
+    spare = (SMEM_BYTES - 2 * POOL) // 1024 * 1024 - 8 * bar_words  # bytes the tiles leave
     if spare < 4:
         raise ValueError(f"the wgmma forward's tiles do not fit shared memory: {knobs} for {spec.name}")
     listed = min(LISTED_TILES, spare // 4) if spec.block_sparse else 1  # block-mask tile lists staged
+    meta_words = -(-(8 * bar_words + 4 * listed) // 1024) * 128
+    LIST0 = 2 * bar_words  # the tile list's first int32 in the buffer
 
     shape = Shape.fresh()
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
@@ -145,7 +151,8 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         l = T.alloc_local([2], F32)  # running partial sum of this lane's columns
         mx = T.alloc_local([2], F32)
         alpha = T.alloc_local([2], F32)
-        listed_k0 = T.alloc_buffer((listed,), "int32", scope="shared")
+        meta = T.alloc_buffer((meta_words,), "uint64", scope="shared", align=1024)
+        bars, listed_k0 = T.meta_var((meta, meta.view("int32")))  # mbarriers | staged tile list
         if q0 < lq:  # a packed tile between two sequences' tiles has no rows
             if tscore.row_values > 0:
                 load_row_values(rowv, tscore, 1, bs, h, q0 + row0, lane)
@@ -167,9 +174,9 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                 for i in T.unroll((listed + NT - 1) // NT):
                     jj = T.meta_var(T.Cast("int64", tid + i * NT))
                     if jj < n and jj < listed:
-                        listed_k0[jj] = T.Cast("int32", walk.k0(jj))
+                        listed_k0[LIST0 + jj] = T.Cast("int32", walk.k0(jj))
             tile_k0 = T.meta_var(walk.k0 if walk.first_full is None else lambda j: tirx.if_then_else(
-                j < listed, T.Cast("int64", listed_k0[T.min(j, listed - 1)]), walk.k0(j)))
+                j < listed, T.Cast("int64", listed_k0[LIST0 + T.min(j, listed - 1)]), walk.k0(j)))
 
             @T.inline
             def scores_to_p(k0, j):
@@ -223,7 +230,6 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                 # compute. Two consumers take turns at the tensor cores (named barriers
                 # TURN + wg): one's GEMMs run while the other's softmax does, where in lockstep
                 # both softmaxes ran at once with the tensor cores idle.
-                bars = T.alloc_buffer((3 * STAGES,), "uint64", scope="shared", align=8)
                 if tid == 0:
                     for i in T.unroll(STAGES):
                         T.ptx.mbarrier.init.shared.b64(bars.ptr_to([FULL + i]), T.uint32(128))
