@@ -215,7 +215,28 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             def copy_v(slot, k0, t, nt):
                 copy_rows_sw128(pool, V_OFF + slot * BN * D, V, b, hk, k_start + k0, BN, k_start + lk, D, t, nt)
 
+            @T.inline
+            def release(which, j):  # warp-specialized: this warp is done with slot j's K or V
+                if WS:
+                    if lane == 0:
+                        T.ptx.mbarrier.arrive.shared.b64(bars.ptr_to([which + j % STAGES]), T.uint32(1))
+
             kv0 = T.alloc_local([1], "int64")
+
+            @T.inline
+            def softmax_next(pending, j, k0):
+                # S_j's GEMM done (PV_{j-1}'s may be in flight: pending), then its softmax
+                T.ptx.wgmma.wait_group.sync.aligned(pending)
+                fence_registers(s, NS * 4)
+                release(EMPTY_K, j)
+                kv0[0] = k0
+                scores_to_p(kv0[0], j)
+
+            @T.inline
+            def wait_pv(j):
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                fence_registers(o, ND * 4)
+                release(EMPTY_V, j)
             for i in T.unroll(ND * 4):
                 o[i] = T.float32(0)
             for i in T.unroll(2):
@@ -263,11 +284,6 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                         T.ptx.fence.proxy.async_.shared__cta()
 
                     @T.inline
-                    def release(which, j):
-                        if lane == 0:
-                            T.ptx.mbarrier.arrive.shared.b64(bars.ptr_to([which + j % STAGES]), T.uint32(1))
-
-                    @T.inline
                     def take_turn():
                         if PINGPONG:
                             T.ptx["bar.sync"](T.Cast("uint32", 1 + wg), T.uint32(NC))
@@ -284,11 +300,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                         take_turn()
                         issue_s(0)
                         pass_turn()
-                        T.ptx.wgmma.wait_group.sync.aligned(0)
-                        fence_registers(s, NS * 4)
-                        release(EMPTY_K, 0)
-                        kv0[0] = walk.k0(0)
-                        scores_to_p(kv0[0], 0)
+                        softmax_next(0, 0, walk.k0(0))
                         to_a_fragments(s, p, NS * 4)
                     for j in T.serial(n - 1):
                         prepare_pv()
@@ -297,14 +309,8 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                         issue_s(j + 1)
                         issue_pv(j)
                         pass_turn()
-                        T.ptx.wgmma.wait_group.sync.aligned(1)
-                        fence_registers(s, NS * 4)
-                        release(EMPTY_K, j + 1)
-                        kv0[0] = tile_k0(j + 1)
-                        scores_to_p(kv0[0], j + 1)
-                        T.ptx.wgmma.wait_group.sync.aligned(0)
-                        fence_registers(o, ND * 4)
-                        release(EMPTY_V, j)
+                        softmax_next(1, j + 1, tile_k0(j + 1))
+                        wait_pv(j)
                         to_a_fragments(s, p, NS * 4)
                     if n > 0:
                         prepare_pv()
@@ -345,10 +351,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                     T.ptx.fence.proxy.async_.shared__cta()
                     T.cuda.cta_sync()
                     issue_s(0)
-                    T.ptx.wgmma.wait_group.sync.aligned(0)
-                    fence_registers(s, NS * 4)
-                    kv0[0] = walk.k0(0)
-                    scores_to_p(kv0[0], 0)
+                    softmax_next(0, 0, walk.k0(0))
                     to_a_fragments(s, p, NS * 4)
 
                 # Iteration j: S_{j+1} = Q K_{j+1}^T and O += P_j V_j go to the tensor cores back to back;
@@ -364,12 +367,8 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                     fetch_tiles(j)
                     prepare_pv()
                     issue_pv(j)
-                    T.ptx.wgmma.wait_group.sync.aligned(1)
-                    fence_registers(s, NS * 4)
-                    kv0[0] = tile_k0(j + 1)
-                    scores_to_p(kv0[0], j + 1)
-                    T.ptx.wgmma.wait_group.sync.aligned(0)
-                    fence_registers(o, ND * 4)
+                    softmax_next(1, j + 1, tile_k0(j + 1))
+                    wait_pv(j)
                     to_a_fragments(s, p, NS * 4)
                 if n > 0:
                     sync_tiles()
