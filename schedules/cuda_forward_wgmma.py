@@ -248,8 +248,8 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                 # Warp-specialized (FlashAttention-3's structure): the last warpgroup only copies
                 # K/V tiles into a ring of STAGES slots (cp.async; mbarriers say when a slot is
                 # full and when both consumers are done with it), the consumer warpgroups only
-                # compute. Two consumers take turns at the tensor cores (named barriers
-                # TURN + wg): one's GEMMs run while the other's softmax does, where in lockstep
+                # compute. Two consumers take turns at the tensor cores (named barriers 1 and 2,
+                # one a consumer): one's GEMMs run while the other's softmax does, where in lockstep
                 # both softmaxes ran at once with the tensor cores idle.
                 if tid == 0:
                     for i in T.unroll(STAGES):
@@ -274,8 +274,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                         # one barrier for both (a consumer's wait costs ~100 cycles of its critical path)
                         T.ptx["cp.async.mbarrier.arrive.noinc.shared.b64"](bars.ptr_to([FULL + slot]))
                 else:
-                    if NWG > 1:
-                        T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
+                    T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
 
                     @T.inline
                     def wait_full(j):  # tile j's K and V in shared memory

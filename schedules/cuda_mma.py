@@ -319,6 +319,33 @@ def pairwise(combine, values):
 
 
 @T.inline
+def raw_row_max(dst, i, m_row, s, mt, hh, ns, scale, log2_scale):
+    """dst[i] = max(m_row, the row's max of raw scores, scaled): the min's under a negative scale."""
+    if scale >= T.float32(0):
+        dst[i] = T.max(m_row, pairwise(tirx.Max, row_scores(s, mt, hh, ns)) * log2_scale)
+    else:
+        dst[i] = T.max(m_row, pairwise(tirx.Min, row_scores(s, mt, hh, ns)) * log2_scale)
+
+
+@T.inline
+def row_exponents(s, m, l, alpha, mt, hh, ns, mx, raw, log2_scale):
+    """Row hh of m-tile mt with its new max mx (log2 units, in a register): the rescale factor
+    into alpha, m and l moved to it, then P = exp2(S - mx) and its sum; `raw` scores take the
+    scale in the same multiply-add."""
+    exp2_into(alpha[mt * 2 + hh], m[mt * 2 + hh] - mx)
+    m[mt * 2 + hh] = mx
+    l[mt * 2 + hh] = l[mt * 2 + hh] * alpha[mt * 2 + hh]
+    for nt in T.unroll(ns):
+        for e in T.unroll(2):
+            idx = T.meta_var((mt * ns + nt) * 4 + hh * 2 + e)
+            if raw:
+                exp2_into(s[idx], s[idx] * log2_scale - mx)  # one multiply-add
+            else:
+                exp2_into(s[idx], s[idx] - mx)
+            l[mt * 2 + hh] = l[mt * 2 + hh] + s[idx]
+
+
+@T.inline
 def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, masked, fold_scale=False, interleave=False):
     """One K/V tile of the forward's online softmax on accumulator fragments: n_mt m-tiles of
     16 rows, ns n8 tiles of scores S (k0: the tile's first key). Scores go to the exp2 domain;
@@ -349,28 +376,15 @@ def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, ma
                                        with_kv_parts(index, mt, hh, base=k0 + lane % 4 * 2, offset=nt * 8 + e, col=col))
         if raw and interleave:  # both rows' maxima and shuffles side by side, then their exponents
             for hh in T.unroll(2):
-                if scale >= T.float32(0):
-                    mx[hh] = T.max(m[mt * 2 + hh], pairwise(tirx.Max, row_scores(s, mt, hh, ns)) * log2_scale)
-                else:
-                    mx[hh] = T.max(m[mt * 2 + hh], pairwise(tirx.Min, row_scores(s, mt, hh, ns)) * log2_scale)
+                raw_row_max(mx, hh, m[mt * 2 + hh], s, mt, hh, ns, scale, log2_scale)
             for hh in T.unroll(2):
                 mx[hh] = T.cuda.warp_max(mx[hh], width=4)
             for hh in T.unroll(2):
-                exp2_into(alpha[mt * 2 + hh], m[mt * 2 + hh] - mx[hh])
-                m[mt * 2 + hh] = mx[hh]
-                l[mt * 2 + hh] = l[mt * 2 + hh] * alpha[mt * 2 + hh]
-                for nt in T.unroll(ns):
-                    for e in T.unroll(2):
-                        idx = T.meta_var((mt * ns + nt) * 4 + hh * 2 + e)
-                        exp2_into(s[idx], s[idx] * log2_scale - mx[hh])
-                        l[mt * 2 + hh] = l[mt * 2 + hh] + s[idx]
+                row_exponents(s, m, l, alpha, mt, hh, ns, mx[hh], raw, log2_scale)
         else:
             for hh in T.unroll(2):
-                if raw:  # the raw scores' max, scaled (their min's under a negative scale)
-                    if scale >= T.float32(0):
-                        mx[0] = T.max(m[mt * 2 + hh], pairwise(tirx.Max, row_scores(s, mt, hh, ns)) * log2_scale)
-                    else:
-                        mx[0] = T.max(m[mt * 2 + hh], pairwise(tirx.Min, row_scores(s, mt, hh, ns)) * log2_scale)
+                if raw:
+                    raw_row_max(mx, 0, m[mt * 2 + hh], s, mt, hh, ns, scale, log2_scale)
                 else:
                     mx[0] = m[mt * 2 + hh]
                     for nt in T.unroll(ns):
@@ -381,17 +395,7 @@ def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, ma
                                                with_kv_parts(index, mt, hh, base=k0 + lane % 4 * 2, offset=nt * 8 + e))
                             mx[0] = T.max(mx[0], s[idx])
                 mx[0] = T.cuda.warp_max(mx[0], width=4)
-                exp2_into(alpha[mt * 2 + hh], m[mt * 2 + hh] - mx[0])
-                m[mt * 2 + hh] = mx[0]
-                l[mt * 2 + hh] = l[mt * 2 + hh] * alpha[mt * 2 + hh]
-                for nt in T.unroll(ns):
-                    for e in T.unroll(2):
-                        idx = T.meta_var((mt * ns + nt) * 4 + hh * 2 + e)
-                        if raw:
-                            exp2_into(s[idx], s[idx] * log2_scale - mx[0])  # one multiply-add
-                        else:
-                            exp2_into(s[idx], s[idx] - mx[0])
-                        l[mt * 2 + hh] = l[mt * 2 + hh] + s[idx]
+                row_exponents(s, m, l, alpha, mt, hh, ns, mx[0], raw, log2_scale)
 
 
 @T.inline
