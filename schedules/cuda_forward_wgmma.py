@@ -78,6 +78,11 @@ def default_knobs(spec: AttentionSpec) -> dict:
     return knobs
 
 
+def warp_specialized(knobs: dict) -> bool:
+    """Whether `knobs` make the warp-specialized loop (it needs two consumer warpgroups)."""
+    return knobs["wgmma_producer"] == 1 and knobs["wgmma_warpgroups"] == 2
+
+
 def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     D, dt = spec.head_dim, spec.dtype
     BN, NWG = knobs["wgmma_block_n"], knobs["wgmma_warpgroups"]
@@ -87,7 +92,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         raise ValueError(f"bad wgmma forward knobs {knobs}")
     if knobs["wgmma_producer"] not in (0, 1) or knobs["wgmma_stages"] not in (2, 3, 4):
         raise ValueError(f"bad wgmma forward knobs {knobs}")
-    WS = knobs["wgmma_producer"] == 1 and NWG == 2  # warp-specialized (else lockstep)
+    WS = warp_specialized(knobs)  # else lockstep
     STAGES = knobs["wgmma_stages"] if WS else 2
     PINGPONG = WS and knobs["wgmma_pingpong"] == 1
     BM = 64 * NWG

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tvmflash
-from tvmflash.bench import _interleaved_median_ms, machine_info, plot_ratio_bars, steady_heap
+from tvmflash.bench import _interleaved_median_ms, cuda_tag, machine_info, plot_ratio_bars, steady_heap
 
 B, H, HK, D = 16, 32, 8, 128
 DTYPE = torch.bfloat16
@@ -117,7 +117,7 @@ def main(out_dir: Path) -> None:
                                           f"x{row[f'vs_torch_paged{p}']:.2f})" for p in PAGES)
               + f"; {best_torch} {t[best_torch] * 1e3:.1f} us", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tag = "cuda-h100-decode" if device == "cuda" else "cpu-kvcache-decode"  # (the Xeon run: cpu-xeon-16core-kvcache-decode)
+    tag = f"{cuda_tag()}-decode" if device == "cuda" else "cpu-kvcache-decode"  # (the Xeon run: cpu-xeon-16core-kvcache-decode)
     meta = {"machine": machine_info(device), "copy_bandwidth_bytes_per_s": copy,
             "shape": {"B": B, "H": H, "Hk": HK, "D": D, "Lq": 1, "dtype": "bf16", "pages": PAGES},
             "note": "bandwidth_fraction = K/V bytes / time / copy bandwidth (GPU bar >= 0.8 at >= 8k); "
@@ -126,8 +126,9 @@ def main(out_dir: Path) -> None:
     labels = [f"{r['length'] // 1024}k" for r in rows]
     series = {f"{name} paged{p}": [r[f"{key}_paged{p}"] for r in rows]
               for name, key in (("bandwidth / copy", "bandwidth_fraction"), ("vs torch", "vs_torch")) for p in PAGES}
+    where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     plot_ratio_bars(out_dir / f"{tag}.png", labels, series, "fraction of copy bandwidth; torch time / ours",
-                    f"decode, {'H100' if device == 'cuda' else 'CPU'}, bf16 B={B} H={H} Hk={HK} D={D}, Lq=1, "
+                    f"decode, {where}, bf16 B={B} H={H} Hk={HK} D={D}, Lq=1, "
                     "paged cache (shuffled pages)")
     print(out_dir / f"{tag}.json")
 

@@ -36,12 +36,12 @@ backward = sys.argv[2] != "fwd"
 rows = bench.run(device="cuda", dtypes=["fp16", "bf16"], seqlens=[1024, 4096, 16384], head_dims=[64, 128],
                  causal=(False, True), backward=backward, rounds=5)
 bench.print_table(rows)
-print(bench.write_results(rows, sys.argv[1], "cuda-h100" if backward else "cuda-h100-forward")[0])
+print(bench.write_results(rows, sys.argv[1], bench.cuda_tag() + ("" if backward else "-forward"))[0])
 if backward:  # the other head dims: reported, no bar
     rows = bench.run(device="cuda", dtypes=["fp16"], seqlens=[4096], head_dims=[32, 96, 192, 256],
                      causal=(False, True), backward=True, rounds=5)
     bench.print_table(rows)
-    print(bench.write_results(rows, sys.argv[1], "cuda-h100-headdims")[0])
+    print(bench.write_results(rows, sys.argv[1], bench.cuda_tag() + "-headdims")[0])
 PY
 [ "${BENCH:-all}" = all ] && python scripts/variants_bench.py "$out"  # window / ALiBi / softcap vs plain
 exit $status

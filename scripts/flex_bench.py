@@ -1,7 +1,7 @@
 """tvmflash.flex.flex_attention vs torch.nn.attention.flex_attention under torch.compile, same
 process, same inputs: causal, sliding window, ALiBi as a score_mod and document masking
 (bf16, B=1, H=16, D=128, L in {4096, 16384}), forward and forward+backward. Writes
-benchmarks/results/cuda-h100-flex.json and .png (ratio > 1: tvmflash is faster).
+benchmarks/results/cuda-<gpu>-flex.json and .png (ratio > 1: tvmflash is faster).
 
     python scripts/flex_bench.py [OUT_DIR]      # needs a GPU (and triton for torch's side)
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from tvmflash import flex
-from tvmflash.bench import _auto_iters, _interleaved_median_ms, _warm_up, machine_info, plot_ratio_bars
+from tvmflash.bench import _auto_iters, _interleaved_median_ms, _warm_up, cuda_tag, machine_info, plot_ratio_bars
 
 B, H, D = 1, 16, 128
 SEQLENS = (4096, 16384)
@@ -85,12 +85,13 @@ def main(out_dir: Path) -> None:
             "torch": torch.__version__, "block_size": 128,
             "note": "ratio = torch.compile(flex_attention) time / tvmflash time (> 1: tvmflash is faster)",
             "rows": rows}
-    (out_dir / "cuda-h100-flex.json").write_text(json.dumps(meta, indent=1))
-    plot_ratio_bars(out_dir / "cuda-h100-flex.png", [f"{r['case']}\nL={r['seqlen']}" for r in rows],
+    tag = f"{cuda_tag()}-flex"
+    (out_dir / f"{tag}.json").write_text(json.dumps(meta, indent=1))
+    plot_ratio_bars(out_dir / f"{tag}.png", [f"{r['case']}\nL={r['seqlen']}" for r in rows],
                     {"forward": [r["ratio_fwd"] for r in rows], "forward+backward": [r["ratio_fwd_bwd"] for r in rows]},
                     "torch flex time / tvmflash time",
-                    f"flex_attention vs torch.compile(flex_attention), H100, bf16 B={B} H={H} D={D}", fontsize=6)
-    print(out_dir / "cuda-h100-flex.json")
+                    f"flex_attention vs torch.compile(flex_attention), {torch.cuda.get_device_name()}, bf16 B={B} H={H} D={D}", fontsize=6)
+    print(out_dir / f"{tag}.json")
 
 
 if __name__ == "__main__":

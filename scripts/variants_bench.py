@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 import tvmflash
-from tvmflash.bench import _auto_iters, _interleaved_median_ms, _warm_up, machine_info, plot_ratio_bars, steady_heap
+from tvmflash.bench import (_auto_iters, _interleaved_median_ms, _warm_up, cuda_tag, machine_info, plot_ratio_bars,
+                            steady_heap)
 
 B, H, D = 1, 16, 128
 # (name, plain kernel's keywords, variant's keywords)
@@ -52,6 +53,39 @@ def specs() -> set:
     return out
 
 
+# window walks (CUDA): (left, right) windows timed on each wgmma forward loop, to place
+# schedules/cuda_kernels.SHORT_WALK_KEYS (left + right up to which the lockstep loop runs)
+WALK_WINDOWS = [(64, 64), (128, 128), (256, 256), (384, 384), (512, 512), (768, 768), (1024, 1024),
+                (256, 0), (512, 0), (1024, 0), (1536, 0), (2048, 0)]
+
+
+def window_walks(q, k, v) -> list:
+    """Forward ms of each WALK_WINDOWS window on the warp-specialized and the lockstep loop."""
+    from tvmflash.schedules import cuda_kernels
+
+    chosen = cuda_kernels.SHORT_WALK_KEYS
+    q, k, v = (x.detach() for x in (q, k, v))
+    rows = []
+    try:
+        for left, right in WALK_WINDOWS:
+            causal = right == 0
+
+            def run(threshold, kw=dict(causal=causal, window_size=(left, right))):
+                cuda_kernels.SHORT_WALK_KEYS = threshold  # forces the loop
+                return tvmflash.flash_attn_func(q, k, v, **kw)
+            fns = {"warp-specialized": lambda: run(-1), "lockstep": lambda: run(1 << 30)}
+            for fn in fns.values():
+                fn()
+            t = _interleaved_median_ms(fns, rounds=5, iters=_auto_iters(0.5), device="cuda")
+            rows.append({"window": [left, right], "causal": causal, "keys": left + right, "ms": t,
+                         "lockstep_speedup": t["warp-specialized"] / t["lockstep"]})
+            print(f"window {(left, right)}: warp-specialized {t['warp-specialized']:.3f} ms, "
+                  f"lockstep {t['lockstep']:.3f} ms (x{rows[-1]['lockstep_speedup']:.2f})", flush=True)
+    finally:
+        cuda_kernels.SHORT_WALK_KEYS = chosen
+    return rows
+
+
 def main(out_dir: Path) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
@@ -75,10 +109,12 @@ def main(out_dir: Path) -> None:
         print(f"{name}: fwd {t['variant fwd']:.2f} ms vs plain {t['plain fwd']:.2f} ms (x{row['speedup_fwd']:.2f}); "
               f"fwd+bwd {t['variant fwd+bwd']:.2f} vs {t['plain fwd+bwd']:.2f} ms (x{row['speedup_fwd_bwd']:.2f})",
               flush=True)
-    tag = "cuda-h100-variants" if device == "cuda" else "cpu-xeon-16core-variants"
+    tag = f"{cuda_tag()}-variants" if device == "cuda" else "cpu-xeon-16core-variants"
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"machine": machine_info(device), "shape": {"B": B, "H": H, "D": D, "L": seqlen, "dtype": "bf16"},
             "note": "speedup = plain time / variant time (> 1: the variant is faster)", "rows": rows}
+    if device == "cuda":
+        meta["window_walks"] = window_walks(q, k, v)
     (out_dir / f"{tag}.json").write_text(json.dumps(meta, indent=1))
     plot_ratio_bars(out_dir / f"{tag}.png", [r["case"] for r in rows],
                     {"forward": [r["speedup_fwd"] for r in rows], "forward+backward": [r["speedup_fwd_bwd"] for r in rows]},

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import tvmflash
-from tvmflash.bench import _auto_iters, _interleaved_median_ms, _warm_up, machine_info, plot_ratio_bars
+from tvmflash.bench import _auto_iters, _interleaved_median_ms, _warm_up, cuda_tag, machine_info, plot_ratio_bars
 
 H, D = 16, 128
 DTYPE = torch.bfloat16
@@ -75,7 +75,7 @@ def main(out_dir: Path) -> None:
               f" ms (x{row['vs_dense_fwd']:.3f}), torch {t['torch SDPA per sequence fwd']:.2f} ms; fwd+bwd "
               f"{t['varlen fwd+bwd']:.2f} / {t['dense per sequence fwd+bwd']:.2f} ms (x{row['vs_dense_fwd+bwd']:.3f}),"
               f" torch {t['torch SDPA per sequence fwd+bwd']:.2f} ms", flush=True)
-    tag = "cuda-h100-varlen" if device == "cuda" else "cpu-varlen"
+    tag = f"{cuda_tag()}-varlen" if device == "cuda" else "cpu-varlen"
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"machine": machine_info(device),
             "shape": {"tokens": total, "lengths": lengths, "H": H, "D": D, "dtype": "bf16"},

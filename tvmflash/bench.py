@@ -414,6 +414,13 @@ def machine_info(device: str = "cpu") -> dict:
     return info
 
 
+def cuda_tag() -> str:
+    """"cuda-" and the current GPU's model ("cuda-h200" for "NVIDIA H200"): the prefix of the
+    result files, so that runs on different GPUs land in different files."""
+    words = torch.cuda.get_device_name().replace("NVIDIA", "").split()
+    return "cuda-" + (words[0].lower() if words else "gpu")
+
+
 def _git_describe() -> str | None:
     try:
         result = subprocess.run(

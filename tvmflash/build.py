@@ -44,6 +44,7 @@ CUDA_KERNELS = ("forward", "backward_prep", "backward_dkdv_dq", "backward_dq_con
                 "backward_dq")
 DECODE_KERNELS = ("decode", "decode_combine")  # a kv_cache spec's CPU module
 CUDA_DECODE_KERNELS = ("decode",)  # on CUDA the kernel merges its splits itself
+CUDA_OPTIONAL_KERNELS = ("forward_short",)  # the lockstep forward for short windows (schedules/cuda_kernels.py)
 
 _modules: dict = {}
 _lock = threading.Lock()
@@ -375,11 +376,11 @@ def load_cached(spec: AttentionSpec, target: dict | None = None) -> dict:
                 except Exception:  # noqa: BLE001 - e.g. a library built for another machine
                     module = _load(build_cached(spec, target, rebuild=True), target)
             kernels = {name: module[name] for name in kernels_of(spec, target)}
-            if target["kind"] != "cuda":
-                kernels.update((name, module[name]) for name in CPU_OPTIONAL_KERNELS
-                               if module.implements_function(name, query_imports=True))
-                if "forward_pack" in kernels and not request_amx():
-                    raise RuntimeError(f"{spec.name} for {target_label(target)} runs on AMX, which this "
-                                       "CPU or OS does not provide")
+            optional = CUDA_OPTIONAL_KERNELS if target["kind"] == "cuda" else CPU_OPTIONAL_KERNELS
+            kernels.update((name, module[name]) for name in optional
+                           if module.implements_function(name, query_imports=True))
+            if "forward_pack" in kernels and not request_amx():
+                raise RuntimeError(f"{spec.name} for {target_label(target)} runs on AMX, which this "
+                                   "CPU or OS does not provide")
             _modules[key] = kernels
         return _modules[key]

@@ -216,13 +216,19 @@ def _forward(q, k, v, mask, scale, causal, window=(-1, -1), softcap=0.0, alibi_s
         _forward_split(kern, q, k, v, out, lse, scale, mod_args)
         return out, lse
     with _on_stream(q.device):
-        kern[_forward_kernel_name(kern, q, k)](q, k, v, out, lse, scale, *mod_args, *_amx_packs(kern, k, v))
+        kern[_forward_kernel_name(kern, q, k, window)](q, k, v, out, lse, scale, *mod_args, *_amx_packs(kern, k, v))
     return out, lse
 
 
-def _forward_kernel_name(kern: dict, q: torch.Tensor, k: torch.Tensor) -> str:
-    """"forward_long" (AMX: taller q-blocks) where a kv-head's packed K and V^T outgrow a core's
-    L2 and there are queries enough to fill its q-blocks, else "forward"."""
+def _forward_kernel_name(kern: dict, q: torch.Tensor, k: torch.Tensor, window: tuple = (-1, -1)) -> str:
+    """CUDA: "forward_short" for short sliding windows where the module has it
+    (schedules/cuda_kernels.py). CPU: "forward_long" (AMX: taller q-blocks) where a kv-head's
+    packed K and V^T outgrow a core's L2 and there are queries enough to fill its q-blocks.
+    Else "forward"."""
+    if "forward_short" in kern:
+        from .schedules.cuda_kernels import forward_name
+
+        return forward_name(kern, window)
     if "forward_long" not in kern:
         return "forward"
     from .schedules.avx512 import AMX_KV_PAD, AMX_LONG_KV_BYTES, AMX_LONG_MIN_QUERIES
