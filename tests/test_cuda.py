@@ -86,10 +86,13 @@ def test_wgmma_forward_refuses_rings_that_do_not_fit_shared_memory():
 @needs_compiler
 def test_window_modules_hold_the_lockstep_forward_for_short_windows():
     """At D=128 a windowed module holds the warp-specialized forward and the lockstep one
-    ("forward_short"); a window of at most SHORT_WALK_KEYS keys a side together runs the
-    latter, an unbounded side or a longer window the former; other modules hold one forward."""
+    ("forward_short"); a window of at most SHORT_WALK_KEYS keys on both sides together runs
+    the latter, an unbounded side or a longer window the former; other modules hold one
+    forward."""
     from tvmflash.kernels.score_mods import math_target
-    from tvmflash.schedules.cuda_kernels import SHORT_WALK_KEYS, default_knobs, forward_kernels, forward_name
+    from tvmflash.interface import _check_window
+    from tvmflash.ops import SHORT_WALK_KEYS, _forward_kernel_name
+    from tvmflash.schedules.cuda_kernels import default_knobs, forward_kernels
 
     def forwards(spec, arch):
         with math_target("cuda"):
@@ -98,11 +101,14 @@ def test_window_modules_hold_the_lockstep_forward_for_short_windows():
     kernels = forwards(AttentionSpec("bfloat16", 128, causal="bottom_right", variants=("window",)), "sm_90a")
     assert "setmaxnreg" in kernels["forward"].script() and "setmaxnreg" not in kernels["forward_short"].script()
     assert kernels["forward_short"].attrs["global_symbol"] == "forward_short"
-    for window, name in (((256, 0), "forward_short"), ((SHORT_WALK_KEYS, 0), "forward_short"),
-                         ((SHORT_WALK_KEYS // 2, SHORT_WALK_KEYS // 2 + 1), "forward"), ((256, -1), "forward"),
-                         ((-1, 0), "forward"), ((-1, -1), "forward")):
-        assert forward_name(kernels, window) == name, window
-    assert forward_name({"forward": None}, (256, 0)) == "forward"
+    short, half = SHORT_WALK_KEYS, SHORT_WALK_KEYS // 2
+    for window, causal, name in (((256, 0), True, "forward_short"), ((256, 256), False, "forward_short"),
+                                 ((short, 0), True, "forward_short"), ((short, 5), True, "forward_short"),
+                                 ((half, half + 1), False, "forward"), ((256, -1), False, "forward"),
+                                 ((-1, 0), True, "forward"), ((-1, -1), False, "forward")):
+        # as the call's window reaches the kernels (a causal call's right side is -1)
+        assert _forward_kernel_name(kernels, None, None, _check_window(window, causal), causal) == name, window
+    assert _forward_kernel_name({"forward": None}, None, None, (256, 0), False) == "forward"
     for spec, arch in ((AttentionSpec("bfloat16", 128, causal="bottom_right"), "sm_90a"),
                        (AttentionSpec("bfloat16", 64, variants=("window",)), "sm_90a"),  # lockstep already
                        (AttentionSpec("bfloat16", 128, variants=("window",)), "sm_80")):
@@ -448,20 +454,22 @@ def test_cuda_variants(dtype, d, causal, window, alibi, softcap, dropout_p, lq, 
 @pytest.mark.parametrize("window", [(256, 0), (1500, 0), (0, 0)], ids=str)
 def test_cuda_window_forward_loops(monkeypatch, loop, window):
     """A windowed D=128 module holds both wgmma forward loops and the window's size chooses
-    (cuda_kernels.forward_name); either loop computes every window: the threshold is forced
-    each way here. Lq != Lk, 2 q-heads a kv-head, queries that see a single key."""
+    (ops.SHORT_WALK_KEYS); either loop computes every window: the threshold is forced each
+    way here. Lq != Lk, 2 q-heads a kv-head, queries that see a single key."""
     from tvmflash import ops
-    from tvmflash.schedules import cuda_kernels
 
-    monkeypatch.setattr(cuda_kernels, "SHORT_WALK_KEYS", 1 << 30 if loop == "lockstep" else -1)
+    monkeypatch.setattr(ops, "SHORT_WALK_KEYS", 1 << 30 if loop == "lockstep" else -1)
     g = torch.Generator(device="cuda").manual_seed(5)
     q = torch.randn(2, 777, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(2, 1900, 2, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     kern = ops._kernels(cuda_variant_specs()[1], q.device)  # bf16 d128 causal window (+ ALiBi)
-    assert cuda_kernels.forward_name(kern, window) == ("forward_short" if loop == "lockstep" else "forward")
+    ran = []
+    for name in ("forward", "forward_short"):  # which of the two the call launches
+        monkeypatch.setitem(kern, name, lambda *args, fn=kern[name], name=name: (ran.append(name), fn(*args))[1])
     slopes = torch.rand(2, 4, device="cuda", generator=g) * 0.3
     out, lse, _ = tvmflash.flash_attn_func(q, k, v, causal=True, window_size=window, alibi_slopes=slopes,
                                            return_attn_probs=True)
+    assert ran == ["forward_short" if loop == "lockstep" else "forward"]
 
     def ref(*x):
         return attention(*(t.transpose(1, 2) for t in x), causal="bottom_right", window=window, alibi_slopes=slopes)

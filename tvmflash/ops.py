@@ -216,25 +216,43 @@ def _forward(q, k, v, mask, scale, causal, window=(-1, -1), softcap=0.0, alibi_s
         _forward_split(kern, q, k, v, out, lse, scale, mod_args)
         return out, lse
     with _on_stream(q.device):
-        kern[_forward_kernel_name(kern, q, k, window)](q, k, v, out, lse, scale, *mod_args, *_amx_packs(kern, k, v))
+        name = _forward_kernel_name(kern, q, k, window, causal != "none")
+        kern[name](q, k, v, out, lse, scale, *mod_args, *_amx_packs(kern, k, v))
     return out, lse
 
 
-def _forward_kernel_name(kern: dict, q: torch.Tensor, k: torch.Tensor, window: tuple = (-1, -1)) -> str:
+def _forward_kernel_name(kern: dict, q: torch.Tensor, k: torch.Tensor, window: tuple = (-1, -1),
+                         causal: bool = False) -> str:
     """CUDA: "forward_short" for short sliding windows where the module has it
     (schedules/cuda_kernels.py). CPU: "forward_long" (AMX: taller q-blocks) where a kv-head's
     packed K and V^T outgrow a core's L2 and there are queries enough to fill its q-blocks.
     Else "forward"."""
     if "forward_short" in kern:
-        from .schedules.cuda_kernels import forward_name
-
-        return forward_name(kern, window)
+        return _cuda_forward_name(window, causal)
     if "forward_long" not in kern:
         return "forward"
     from .schedules.avx512 import AMX_KV_PAD, AMX_LONG_KV_BYTES, AMX_LONG_MIN_QUERIES
 
     long_keys = 2 * _amx_padded(k.shape[2], AMX_KV_PAD) * k.shape[3] * k.element_size() >= AMX_LONG_KV_BYTES
     return "forward_long" if long_keys and q.shape[2] >= AMX_LONG_MIN_QUERIES else "forward"
+
+
+# A sliding window whose q-blocks see at most this many keys on both sides together (left +
+# right) walks a few K/V tiles a q-block: the lockstep wgmma forward ("forward_short", in
+# windowed modules beside the warp-specialized one) runs it, its CTAs start sooner (no mbarrier
+# rings, no register hand-over). Crossover measured on the H200 (scripts/variants_bench.py's
+# "window walks", bf16 D=128, 16k): lockstep 1.28x faster at 128 keys, 1.09x at 1024, 1.04x at
+# 1536, 1.01x at 2048.
+SHORT_WALK_KEYS = 1536
+
+
+def _cuda_forward_name(window: tuple, causal: bool) -> str:
+    """"forward_short" for a window (left, right) (-1: unbounded; a causal call's right side
+    ends at the diagonal) of at most SHORT_WALK_KEYS keys, else "forward"."""
+    left, right = window
+    if causal and right < 0:
+        right = 0
+    return "forward_short" if 0 <= left and 0 <= right and left + right <= SHORT_WALK_KEYS else "forward"
 
 
 def _forward_split(kern: dict, q, k, v, out, lse, scale, mod_args) -> None:
