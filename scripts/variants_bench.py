@@ -54,16 +54,17 @@ def specs() -> set:
 
 
 # window walks (CUDA): (left, right) windows timed on each wgmma forward loop, to place
-# tvmflash.ops.SHORT_WALK_KEYS (left + right up to which the lockstep loop runs)
+# tvmflash.ops.SHORT_WALK_KEYS / SHORT_CAUSAL_WALK_KEYS (left + right up to which the lockstep
+# loop runs)
 WALK_WINDOWS = [(64, 64), (128, 128), (256, 256), (384, 384), (512, 512), (768, 768), (1024, 1024),
-                (256, 0), (512, 0), (1024, 0), (1536, 0), (2048, 0)]
+                (128, 0), (256, 0), (384, 0), (512, 0), (1024, 0), (1536, 0), (2048, 0)]
 
 
 def window_walks(q, k, v) -> list:
     """Forward ms of each WALK_WINDOWS window on the warp-specialized and the lockstep loop."""
     from tvmflash import ops
 
-    chosen = ops.SHORT_WALK_KEYS
+    chosen = ops.SHORT_WALK_KEYS, ops.SHORT_CAUSAL_WALK_KEYS
     q, k, v = (x.detach() for x in (q, k, v))
     rows = []
     try:
@@ -71,7 +72,7 @@ def window_walks(q, k, v) -> list:
             causal = right == 0
 
             def run(threshold, kw=dict(causal=causal, window_size=(left, right))):
-                ops.SHORT_WALK_KEYS = threshold  # forces the loop
+                ops.SHORT_WALK_KEYS = ops.SHORT_CAUSAL_WALK_KEYS = threshold  # forces the loop
                 return tvmflash.flash_attn_func(q, k, v, **kw)
             fns = {"warp-specialized": lambda: run(-1), "lockstep": lambda: run(1 << 30)}
             for fn in fns.values():
@@ -82,7 +83,7 @@ def window_walks(q, k, v) -> list:
             print(f"window {(left, right)}: warp-specialized {t['warp-specialized']:.3f} ms, "
                   f"lockstep {t['lockstep']:.3f} ms (x{rows[-1]['lockstep_speedup']:.2f})", flush=True)
     finally:
-        ops.SHORT_WALK_KEYS = chosen
+        ops.SHORT_WALK_KEYS, ops.SHORT_CAUSAL_WALK_KEYS = chosen
     return rows
 
 

@@ -86,12 +86,12 @@ def test_wgmma_forward_refuses_rings_that_do_not_fit_shared_memory():
 @needs_compiler
 def test_window_modules_hold_the_lockstep_forward_for_short_windows():
     """At D=128 a windowed module holds the warp-specialized forward and the lockstep one
-    ("forward_short"); a window of at most SHORT_WALK_KEYS keys on both sides together runs
-    the latter, an unbounded side or a longer window the former; other modules hold one
-    forward."""
+    ("forward_short"); a window of at most SHORT_WALK_KEYS keys on both sides together
+    (SHORT_CAUSAL_WALK_KEYS under a causal mask) runs the latter, an unbounded side or a longer
+    window the former; other modules hold one forward."""
     from tvmflash.kernels.score_mods import math_target
     from tvmflash.interface import _check_window
-    from tvmflash.ops import SHORT_WALK_KEYS, _forward_kernel_name
+    from tvmflash.ops import SHORT_CAUSAL_WALK_KEYS, SHORT_WALK_KEYS, _forward_kernel_name
     from tvmflash.schedules.cuda_kernels import default_knobs, forward_kernels
 
     def forwards(spec, arch):
@@ -101,9 +101,9 @@ def test_window_modules_hold_the_lockstep_forward_for_short_windows():
     kernels = forwards(AttentionSpec("bfloat16", 128, causal="bottom_right", variants=("window",)), "sm_90a")
     assert "setmaxnreg" in kernels["forward"].script() and "setmaxnreg" not in kernels["forward_short"].script()
     assert kernels["forward_short"].attrs["global_symbol"] == "forward_short"
-    short, half = SHORT_WALK_KEYS, SHORT_WALK_KEYS // 2
-    for window, causal, name in (((256, 0), True, "forward_short"), ((256, 256), False, "forward_short"),
-                                 ((short, 0), True, "forward_short"), ((short, 5), True, "forward_short"),
+    half, causal_keys = SHORT_WALK_KEYS // 2, SHORT_CAUSAL_WALK_KEYS
+    for window, causal, name in (((causal_keys, 0), True, "forward_short"), ((half, half), False, "forward_short"),
+                                 ((causal_keys, 5), True, "forward_short"), ((causal_keys + 1, 0), True, "forward"),
                                  ((half, half + 1), False, "forward"), ((256, -1), False, "forward"),
                                  ((-1, 0), True, "forward"), ((-1, -1), False, "forward")):
         # as the call's window reaches the kernels (a causal call's right side is -1)
@@ -454,11 +454,11 @@ def test_cuda_variants(dtype, d, causal, window, alibi, softcap, dropout_p, lq, 
 @pytest.mark.parametrize("window", [(256, 0), (1500, 0), (0, 0)], ids=str)
 def test_cuda_window_forward_loops(monkeypatch, loop, window):
     """A windowed D=128 module holds both wgmma forward loops and the window's size chooses
-    (ops.SHORT_WALK_KEYS); either loop computes every window: the threshold is forced each
-    way here. Lq != Lk, 2 q-heads a kv-head, queries that see a single key."""
+    (ops.SHORT_CAUSAL_WALK_KEYS); either loop computes every window: the threshold is forced
+    each way here. Lq != Lk, 2 q-heads a kv-head, queries that see a single key."""
     from tvmflash import ops
 
-    monkeypatch.setattr(ops, "SHORT_WALK_KEYS", 1 << 30 if loop == "lockstep" else -1)
+    monkeypatch.setattr(ops, "SHORT_CAUSAL_WALK_KEYS", 1 << 30 if loop == "lockstep" else -1)
     g = torch.Generator(device="cuda").manual_seed(5)
     q = torch.randn(2, 777, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(2, 1900, 2, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))

@@ -240,19 +240,22 @@ def _forward_kernel_name(kern: dict, q: torch.Tensor, k: torch.Tensor, window: t
 # A sliding window whose q-blocks see at most this many keys on both sides together (left +
 # right) walks a few K/V tiles a q-block: the lockstep wgmma forward ("forward_short", in
 # windowed modules beside the warp-specialized one) runs it, its CTAs start sooner (no mbarrier
-# rings, no register hand-over). Crossover measured on the H200 (scripts/variants_bench.py's
-# "window walks", bf16 D=128, 16k): lockstep 1.28x faster at 128 keys, 1.09x at 1024, 1.04x at
-# 1536, 1.01x at 2048.
+# rings, no register hand-over). Crossovers measured on the H200 (scripts/variants_bench.py's
+# "window walks", bf16 D=128, 16k): windows (w, w) lockstep 1.29x faster at 128 keys, 1.10x at
+# 1024, 1.04x at 1536, 1.01-1.02x at 2048; causal windows (w, 0) 1.11x at 128, 1.05x at 256,
+# 1.02x at 384, 0.99x at 512, 0.93x at 2048.
 SHORT_WALK_KEYS = 1536
+SHORT_CAUSAL_WALK_KEYS = 384
 
 
 def _cuda_forward_name(window: tuple, causal: bool) -> str:
-    """"forward_short" for a window (left, right) (-1: unbounded; a causal call's right side
-    ends at the diagonal) of at most SHORT_WALK_KEYS keys, else "forward"."""
+    """"forward_short" for a short window (left, right) (-1: unbounded; a causal call's right
+    side ends at the diagonal), else "forward"."""
     left, right = window
     if causal and right < 0:
         right = 0
-    return "forward_short" if 0 <= left and 0 <= right and left + right <= SHORT_WALK_KEYS else "forward"
+    limit = SHORT_CAUSAL_WALK_KEYS if causal else SHORT_WALK_KEYS
+    return "forward_short" if 0 <= left and 0 <= right and left + right <= limit else "forward"
 
 
 def _forward_split(kern: dict, q, k, v, out, lse, scale, mod_args) -> None:
