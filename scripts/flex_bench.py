@@ -90,7 +90,8 @@ def main(out_dir: Path) -> None:
     plot_ratio_bars(out_dir / f"{tag}.png", [f"{r['case']}\nL={r['seqlen']}" for r in rows],
                     {"forward": [r["ratio_fwd"] for r in rows], "forward+backward": [r["ratio_fwd_bwd"] for r in rows]},
                     "torch flex time / tvmflash time",
-                    f"flex_attention vs torch.compile(flex_attention), {torch.cuda.get_device_name()}, bf16 B={B} H={H} D={D}", fontsize=6)
+                    f"flex_attention vs torch.compile(flex_attention), {torch.cuda.get_device_name()}, "
+                    f"bf16 B={B} H={H} D={D}", fontsize=6)
     print(out_dir / f"{tag}.json")
 
 

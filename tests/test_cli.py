@@ -29,6 +29,14 @@ def test_bench_writes_results_and_plot(tmp_path):
     assert result.exit_code == 0 and (tmp_path / "t.png").exists()
 
 
+def test_cuda_result_files_are_named_by_the_gpu(monkeypatch):
+    from tvmflash import bench
+
+    for name, tag in (("NVIDIA H200", "cuda-h200"), ("NVIDIA H100 80GB HBM3", "cuda-h100"), ("NVIDIA", "cuda-gpu")):
+        monkeypatch.setattr(bench.torch.cuda, "get_device_name", lambda *a, name=name: name)
+        assert bench.cuda_tag() == tag
+
+
 def test_build_fills_the_cache():
     from tvmflash import build
     from tvmflash.spec import AttentionSpec

@@ -477,6 +477,7 @@ def test_cuda_window_forward_loops(monkeypatch, loop, window):
     _check_close("out", out, ref64.transpose(1, 2), ref(q, k, v)[0].transpose(1, 2))
     assert (lse.double() - ref_lse).abs().max() < 1e-3
 
+
 def _flex_cases():
     """(name, dtype, head dim, score_mod, mask_mod, block size) on the CUDA kernels, with
     captured tables on the GPU."""
