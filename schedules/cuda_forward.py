@@ -34,9 +34,10 @@ from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.kernels.score_mods import TileAt
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (PAD, SequenceTiles, batch_and_head, copy_rows, cta_position, dropout_rows, load_a, load_b,
-                       load_b_trans, load_row_values, locate_tile, mma_16x16, mma_op, query_rows, rescale_rows,
-                       row_values_size, smem_scope, softmax_tile, store_output, to_a_fragments)
+from .cuda_mma import (PAD, SequenceTiles, batch_and_head, copy_rows, cta_position, dropout_rows, key_terms_size,
+                       load_a, load_b, load_b_trans, load_key_terms, load_row_values, locate_tile, mma_16x16, mma_op,
+                       query_rows, rescale_rows, row_values_size, smem_scope, softmax_tile, store_output,
+                       to_a_fragments, unmasked_softmax_tile)
 
 DEFAULTS = {"block_m": 128, "block_n": 64, "q_in_registers": 1, "warp_m_tiles": 1, "stages": 2, "cta_order_l2_mb": 8}
 
@@ -113,12 +114,14 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         o = T.alloc_local([MT * ND * 4], F32)
         m = T.alloc_local([MT * 2], F32)  # running max (log2 units) of rows g and g + 8 per m-tile
         rowv = T.alloc_local([row_values_size(tscore, MT)], "int32")  # row values (varlen, flex loads)
+        kt = T.alloc_local([key_terms_size(tscore)], F32)  # a splitting bias's key terms (ALiBi)
         l = T.alloc_local([MT * 2], F32)  # running partial sum of this lane's columns
         mx = T.alloc_local([1], F32)
         alpha = T.alloc_local([MT * 2], F32)
         if tscore.row_values > 0:
             load_row_values(rowv, tscore, MT, bs, h, q0 + row0, lane)
         index = T.meta_var(query_rows(tscore, bs, h, q0 + row0, rowv, lane))
+        load_key_terms(kt, tscore, bs, h, lane)
         pw = p.view("uint32")
         q_frag = T.meta_var(lambda mt, kk: (mt * (D // 16) + kk) * 4 if q_regs else mt * 4)
 
@@ -159,7 +162,8 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                         mma_16x16(MMA, s, (mt * NS + nn * 2) * 4, qf, q_frag(mt, kk), kb, 0)
             # online softmax; masks and bounds only on tiles that need them
             if tscore.tile_unmasked(q0, T.min(q0 + BM, lq), k0, k0 + BN, at):
-                softmax_tile(s, m, l, mx, alpha, MT, NS, tscore, scale, index, k0, lane, False)
+                unmasked_softmax_tile(s, m, l, mx, alpha, MT, NS, tscore, scale, index, k0, k0 + BN, q0,
+                                      T.min(q0 + BM, lq), kt, lane)
             else:
                 softmax_tile(s, m, l, mx, alpha, MT, NS, tscore, scale, index, k0, lane, True)
             if score.dropout is not None:  # l has the undropped P; O takes P Z

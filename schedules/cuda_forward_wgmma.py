@@ -42,8 +42,9 @@ from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.kernels.score_mods import TileAt
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (SequenceTiles, batch_and_head, cta_position, dropout_rows, load_row_values, locate_tile,
-                       query_rows, rescale_rows, row_values_size, softmax_tile, store_output, to_a_fragments)
+from .cuda_mma import (SequenceTiles, batch_and_head, cta_position, dropout_rows, key_terms_size, load_key_terms,
+                       load_row_values, locate_tile, query_rows, rescale_rows, row_values_size, softmax_tile,
+                       store_output, to_a_fragments, unmasked_softmax_tile)
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
                          gemm_ss_kmajor, wgmma_op)
 
@@ -153,6 +154,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         o = T.alloc_local([ND * 4], F32)
         m = T.alloc_local([2], F32)  # running max (log2 units) of rows g and g + 8
         rowv = T.alloc_local([row_values_size(tscore, 1)], "int32")  # row values (varlen, flex loads)
+        kt = T.alloc_local([key_terms_size(tscore)], F32)  # a splitting bias's key terms (ALiBi)
         l = T.alloc_local([2], F32)  # running partial sum of this lane's columns
         mx = T.alloc_local([2], F32)
         alpha = T.alloc_local([2], F32)
@@ -162,6 +164,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             if tscore.row_values > 0:
                 load_row_values(rowv, tscore, 1, bs, h, q0 + row0, lane)
             index = T.meta_var(query_rows(tscore, bs, h, q0 + row0, rowv, lane))
+            load_key_terms(kt, tscore, bs, h, lane)
             pw = p.view("uint32")
             # the K/V tiles to visit: a block mask's listed ones (supports() requires tiles that
             # divide its blocks), else the ones the modifiers' ranges leave
@@ -188,8 +191,8 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                 # online softmax of the finished S tile (masks and bounds only where needed)
                 full = T.meta_var(None if walk.first_full is None else j >= walk_regs[1])
                 if tscore.tile_unmasked(q0, T.min(q0 + BM, lq), k0, k0 + BN, TileAt(bs, h, (BM, BN)), full):
-                    softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, scale, index, k0, lane, False, fold_scale=True,
-                                 interleave=WS)
+                    unmasked_softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, scale, index, k0, k0 + BN, q0,
+                                          T.min(q0 + BM, lq), kt, lane, fold_scale=True, interleave=WS)
                 else:
                     softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, scale, index, k0, lane, True)
                 if score.dropout is not None:  # l has the undropped P; O takes P Z

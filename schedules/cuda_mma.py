@@ -328,10 +328,11 @@ def raw_row_max(dst, i, m_row, s, mt, hh, ns, scale, log2_scale):
 
 
 @T.inline
-def row_exponents(s, m, l, alpha, mt, hh, ns, mx, raw, log2_scale):
+def row_exponents(s, m, l, alpha, mt, hh, ns, mx, raw, log2_scale, row_term=None):
     """Row hh of m-tile mt with its new max mx (log2 units, in a register): the rescale factor
     into alpha, m and l moved to it, then P = exp2(S - mx) and its sum; `raw` scores take the
-    scale in the same multiply-add."""
+    scale in the same multiply-add. `row_term`: S holds scores without this row's share of a
+    split bias (`split_bias_tile`), so P = exp2(S - (mx - row_term))."""
     exp2_into(alpha[mt * 2 + hh], m[mt * 2 + hh] - mx)
     m[mt * 2 + hh] = mx
     l[mt * 2 + hh] = l[mt * 2 + hh] * alpha[mt * 2 + hh]
@@ -340,6 +341,8 @@ def row_exponents(s, m, l, alpha, mt, hh, ns, mx, raw, log2_scale):
             idx = T.meta_var((mt * ns + nt) * 4 + hh * 2 + e)
             if raw:
                 exp2_into(s[idx], s[idx] * log2_scale - mx)  # one multiply-add
+            elif row_term is not None:
+                exp2_into(s[idx], s[idx] - (mx - row_term))
             else:
                 exp2_into(s[idx], s[idx] - mx)
             l[mt * 2 + hh] = l[mt * 2 + hh] + s[idx]
@@ -396,6 +399,78 @@ def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, ma
                             mx[0] = T.max(mx[0], s[idx])
                 mx[0] = T.cuda.warp_max(mx[0], width=4)
                 row_exponents(s, m, l, alpha, mt, hh, ns, mx[0], raw, log2_scale)
+
+
+def key_terms_size(score) -> int:
+    """Registers for `load_key_terms` (>= 1)."""
+    return 2 if score.splits_bias else 1
+
+
+@T.inline
+def load_key_terms(kt, score, b, h, lane):
+    """A splitting bias's (`ScorePipeline.splits_bias`) slope x log2 e and that times a lane's
+    first column offset (lane % 4 x 2), once a query tile: `split_bias_tile` forms its key terms
+    from them (a column's is one multiply-add a tile; held for every column, 32 more registers
+    spilled in the wgmma forward)."""
+    if score.splits_bias:
+        kt[0] = score.split_slope(b, h, T.float32(LOG2E))
+        kt[1] = kt[0] * T.Cast("float32", lane % 4 * 2)
+
+
+@T.inline
+def split_bias_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, kt, sign, interleave=False):
+    """softmax_tile on an unmasked tile where the bias splits (`ScorePipeline.bias_side` gave
+    `sign`, 1 or -1: ALiBi off its diagonal) into sign x (key term - row term): scores take the
+    key term alone, S = s x scale + sign x slope x (key - k0) (one multiply-add, the key term
+    one more a column: from `load_key_terms`'s kt, shared by a lane's two rows), and a row's term r enters its max, max(m, max(S)
+    + r), and its exponents, exp2(S - (max - r)), once a row. The full |distance| cost a
+    subtraction, a multiply and a multiply-add a score (ALiBi's forward ran 35% over the plain
+    one at 16k on the H200)."""
+    log2_scale = T.meta_var(scale * T.float32(LOG2E))
+    slope = T.meta_var(kt[0] * T.float32(-sign))  # -sign x slope x log2 e
+    for mt in T.unroll(n_mt):
+        for nt in T.unroll(ns):
+            for e in T.unroll(2):
+                for hh in T.unroll(2):
+                    if sign > 0:
+                        s[(mt * ns + nt) * 4 + hh * 2 + e] = s[(mt * ns + nt) * 4 + hh * 2 + e] * log2_scale \
+                            + (kt[1] + kt[0] * T.float32(nt * 8 + e))
+                    else:
+                        s[(mt * ns + nt) * 4 + hh * 2 + e] = s[(mt * ns + nt) * 4 + hh * 2 + e] * log2_scale \
+                            - (kt[1] + kt[0] * T.float32(nt * 8 + e))
+        if interleave:
+            for hh in T.unroll(2):
+                mx[hh] = T.max(m[mt * 2 + hh], pairwise(tirx.Max, row_scores(s, mt, hh, ns))
+                               + slope * score.split_offset(index(mt, hh, k0), k0))
+            for hh in T.unroll(2):
+                mx[hh] = T.cuda.warp_max(mx[hh], width=4)
+            for hh in T.unroll(2):
+                row_exponents(s, m, l, alpha, mt, hh, ns, mx[hh], False, log2_scale,
+                              slope * score.split_offset(index(mt, hh, k0), k0))
+        else:
+            for hh in T.unroll(2):
+                mx[0] = T.max(m[mt * 2 + hh], pairwise(tirx.Max, row_scores(s, mt, hh, ns))
+                              + slope * score.split_offset(index(mt, hh, k0), k0))
+                mx[0] = T.cuda.warp_max(mx[0], width=4)
+                row_exponents(s, m, l, alpha, mt, hh, ns, mx[0], False, log2_scale,
+                              slope * score.split_offset(index(mt, hh, k0), k0))
+
+
+@T.inline
+def unmasked_softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, kv_hi, q_lo, q_hi, kt, lane,
+                          fold_scale=False, interleave=False):
+    """softmax_tile for a tile [q_lo, q_hi) x [k0, kv_hi) that `tile_unmasked` proved whole:
+    `split_bias_tile` where the bias splits there (kt: `load_key_terms`'s registers)."""
+    side = T.meta_var(score.bias_side(q_lo, q_hi, k0, kv_hi))
+    if side is None:
+        softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, False, fold_scale, interleave)
+    else:
+        if side == 1:
+            split_bias_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, kt, 1, interleave)
+        elif side == -1:
+            split_bias_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, kt, -1, interleave)
+        else:
+            softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, False, fold_scale, interleave)
 
 
 @T.inline

@@ -1,7 +1,7 @@
 """Where the CPU time goes: per-kernel times of one forward and one backward call (B=1, H=16;
-packs, delta and the main kernels apart) with GFLOP/s per thread, then the torch/TVM thread
-interplay (a tvmflash call alternating with a torch SDPA call, against each alone). One JSON
-line per measurement; `interplay` as the only argument runs only the latter.
+packs, delta and the main kernels apart, the backward's split plan too) with GFLOP/s per
+thread, then the torch/TVM thread interplay (a tvmflash call alternating with a torch SDPA
+call, against each alone). One JSON line per measurement; `interplay` as the only argument runs only the latter.
 
     python scripts/cpu_phases.py                                 # with device_check_cpu.sh's setup
     TVMFLASH_THREADS=tvm python scripts/cpu_phases.py interplay  # the same on TVM's own pool
@@ -51,6 +51,9 @@ def phases(dtype: str, d: int, L: int) -> dict:
         calls["backward_delta"] = lambda: kern["backward_delta"](o, do, delta)
         calls["backward_fused"] = lambda: kern["backward_fused"](q, k, v, do, lse, delta, dk, dv, dq, dq_acc,
                                                                  scale, *packs_b)
+        # the split plan (GQA calls whose batch x kv heads do not fill the threads take it)
+        calls["backward_dkdv"] = lambda: kern["backward_dkdv"](q, k, v, do, lse, delta, dk, dv, scale, *packs_b)
+        calls["backward_dq"] = lambda: kern["backward_dq"](q, k, v, do, lse, delta, dq, scale, *packs_b)
         if packs_b:
             calls["backward_pack"] = lambda: ops._amx_backward_packs(kern, q, k, v, do)
     threads = torch.get_num_threads()

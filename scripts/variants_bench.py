@@ -22,6 +22,7 @@ CASES = [
     ("window 256 (non-causal)", dict(causal=False), dict(causal=False, window_size=(256, 256))),
     ("window 256 (causal)", dict(causal=True), dict(causal=True, window_size=(256, 0))),
     ("ALiBi (causal)", dict(causal=True), dict(causal=True, alibi_slopes="slopes")),
+    ("ALiBi (non-causal)", dict(causal=False), dict(causal=False, alibi_slopes="slopes")),
     ("softcap 30 (non-causal)", dict(causal=False), dict(causal=False, softcap=30.0)),
     ("dropout 0.1 (non-causal)", dict(causal=False), dict(causal=False, dropout_p=0.1)),
     ("dropout 0.1 (causal)", dict(causal=True), dict(causal=True, dropout_p=0.1)),

@@ -396,7 +396,11 @@ CUDA_VARIANTS = [(torch.float16, 64, False, (100, 7), False, 0.0, 0.0),
                  (torch.float16, 64, True, (100, -1), True, 0.0, 0.3),
                  (torch.bfloat16, 64, False, (-1, -1), False, 3.0, 0.1),
                  # softcap on the wgmma backward's 128-query blocks (its factor from P in 16 bits)
-                 (torch.float16, 64, True, (-1, -1), False, 4.0, 0.0)]
+                 (torch.float16, 64, True, (-1, -1), False, 4.0, 0.0),
+                 # ALiBi without a causal mask: forward tiles on either side of its diagonal take
+                 # the split bias, those it crosses the full one (warp-specialized wgmma; mma.sync)
+                 (torch.bfloat16, 128, False, (-1, -1), True, 0.0, 0.0),
+                 (torch.float16, 96, False, (200, 30), True, 0.0, 0.0)]
 
 
 def cuda_variant_specs() -> list:

@@ -89,3 +89,34 @@ def test_kernel_argument_order_matches_the_modifiers():
     assert spec.kernel_arg_names() == ("softcap", "alibi_slopes", "mask", "window_left", "window_right")
     with pytest.raises(ValueError, match="variants"):
         tvmflash.AttentionSpec(variants=("window", "softcap"))
+
+
+@pytest.mark.parametrize("lq,lk", [(1000, 1000), (113, 203), (203, 113), (300, 4000)], ids=str)
+def test_alibi_bias_splits_into_row_and_key_terms_off_its_diagonal(lq, lk):
+    """The CUDA forwards' split ALiBi (schedules/cuda_mma.split_bias_tile): on a tile that
+    `tile_side` puts on side s, s (key - k0 - d) is exactly -|i + Lk - Lq - key| for every pair,
+    and side 0 is left to tiles the diagonal does cross (those keep the full bias)."""
+    import tvm
+    from tvm import tirx
+
+    from tvmflash.kernels.common import Shape
+    from tvmflash.kernels.score_mods import ScoreIndex, _BoundAlibi
+
+    fold = tvm.sym.Analyzer().simplify
+    c = lambda x: tirx.const(x, "int64")  # noqa: E731
+    shape = Shape(c(1), c(1), c(1), c(lq), c(lk))
+    alibi, sides = _BoundAlibi(slopes=None), set()
+    for q_lo in range(0, lq, 64):
+        q_hi = min(q_lo + 64, lq)
+        for k0 in range(0, lk, 48):  # tiles of 64 keys, overlapping: starts off the 64-grid too
+            side = int(fold(alibi.tile_side(c(q_lo), c(q_hi), c(k0), c(k0 + 64), shape)))
+            sides.add(side)
+            dist = torch.arange(q_lo, q_hi)[:, None] + lk - lq - torch.arange(k0, k0 + 64)[None, :]
+            if side == 0:
+                assert (dist > 0).any() and (dist < 0).any(), (q_lo, k0)
+                continue
+            d = torch.tensor([float(fold(alibi.key_offset(ScoreIndex(c(0), c(0), c(i), None), c(k0), shape)))
+                              for i in range(q_lo, q_hi)])
+            split = side * (torch.arange(64)[None, :] - d[:, None])
+            assert torch.equal(split, -dist.abs().double()), (q_lo, k0, side)
+    assert sides == {-1, 0, 1}

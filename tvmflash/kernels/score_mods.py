@@ -228,6 +228,18 @@ class _BoundAlibi(Alibi):
         kernel, the bias one multiply per score)."""
         return -(self.slopes[ix.b, ix.h] * factor) * self._distance(ix, shape)
 
+    def tile_side(self, q_lo, q_hi, kv_lo, kv_hi, shape):
+        """1 when every key of the tile is at or before every query's position i + Lk - Lq,
+        -1 when every key is at or after it, 0 when that diagonal crosses the tile (int32)."""
+        off = shape.seqlen_k - shape.seqlen_q
+        return tirx.Select(kv_hi - 1 <= q_lo + off, tirx.const(1, "int32"),
+                           tirx.Select(kv_lo >= q_hi - 1 + off, tirx.const(-1, "int32"), tirx.const(0, "int32")))
+
+    def key_offset(self, ix, k0, shape):
+        """d = i + Lk - Lq - k0 of row ix.q_idx (fp32): on a tile of `tile_side` s from key k0 the
+        bias is s x slope ((key - k0) - d), a key term plus a row term."""
+        return tirx.Cast(F32, tirx.Cast("int32", ix.q_idx + shape.seqlen_k - shape.seqlen_q - k0))
+
     @staticmethod
     def _distance(ix, shape):
         # in fp32 from a row term and a column term (each converted once where the compiler
@@ -794,6 +806,38 @@ class ScorePipeline:
         """The additive modifiers' bias of a score times the constant `factor`."""
         terms = [m.bias(ix, self.shape, factor) for m in self.mods if not m.is_mask]
         return functools.reduce(lambda a, b: a + b, terms)
+
+    def _split_alibi(self):
+        changing = [m for m in self.mods if not m.is_mask]
+        if self.seqs is None and len(changing) == 1 and isinstance(changing[0], _BoundAlibi):
+            return changing[0]
+        return None
+
+    @property
+    def splits_bias(self) -> bool:
+        """Whether the bias splits on tiles off its diagonal into a row term plus a key term
+        (ALiBi as the only value modifier, no packed sequences): see `bias_side`."""
+        return self._split_alibi() is not None
+
+    def bias_side(self, q_lo, q_hi, kv_lo, kv_hi):
+        """Where a splitting bias (`splits_bias`) lies on a tile: 1 or -1 (`_BoundAlibi.tile_side`:
+        the bias is then side x `split_slope` x ((key - kv_lo) - `split_offset`)), 0 where it
+        does not split; the constant 1 under a bottom-right causal mask (the tiles it leaves
+        whole lie below the diagonal); None for pipelines whose bias does not split."""
+        alibi = self._split_alibi()
+        if alibi is None:
+            return None
+        if any(isinstance(m, Causal) and m.align == "bottom_right" for m in self.mods):
+            return 1
+        return alibi.tile_side(q_lo, q_hi, kv_lo, kv_hi, self.shape)
+
+    def split_slope(self, b, h, factor):
+        """A splitting bias's slope times `factor` for batch b, head h."""
+        return self._split_alibi().slopes[b, h] * factor
+
+    def split_offset(self, ix: ScoreIndex, k0):
+        """A splitting bias's row offset d of row ix.q_idx on the tile from key k0."""
+        return self._split_alibi().key_offset(ix, k0, self.shape)
 
     def tile_unmasked(self, q_lo, q_hi, kv_lo, kv_hi, at: TileAt | None = None, full=None):
         """An expression true when no pair of the tile [q_lo, q_hi) x [kv_lo, kv_hi) is
