@@ -348,6 +348,14 @@ def row_exponents(s, m, l, alpha, mt, hh, ns, mx, raw, log2_scale, row_term=None
             l[mt * 2 + hh] = l[mt * 2 + hh] + s[idx]
 
 
+def raw_values(score, scale, unmasked: bool):
+    """(squashed, a, factor) for softmax_tile: on an unmasked tile of a pipeline whose only value
+    modifier is a softcap (`ScorePipeline.squashed_values`), squashed with tanh's factor a and
+    the cap as the factor of the kept values; else (False, None, scale)."""
+    values = score.squashed_values(scale) if unmasked else None
+    return (False, None, scale) if values is None else (True, *values)
+
+
 @T.inline
 def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, masked, fold_scale=False, interleave=False):
     """One K/V tile of the forward's online softmax on accumulator fragments: n_mt m-tiles of
@@ -366,9 +374,15 @@ def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, ma
     # every score before the max cost a multiply per score: the wgmma forward issues ~10
     # instructions a score, and one fewer was 10-20% of its time. (The mma.sync forward, at two
     # m-tiles a warp, ran 4-20% slower with it on the H100: it keeps the scaled scores.)
-    raw = T.meta_var(fold_scale and not masked and not score.changes_values)
-    log2_scale = T.meta_var(scale * T.float32(LOG2E))
+    # A softcap alone (`squashed_values`: modified = c tanh(a s)) keeps tanh(a s) and goes the
+    # raw way with c in place of the scale: 6 instructions a score, not 9.
+    squashed, inner, factor = T.meta_var(raw_values(score, scale, fold_scale and not masked))
+    raw = T.meta_var(fold_scale and not masked and (not score.changes_values or squashed))
+    log2_scale = T.meta_var(factor * T.float32(LOG2E))  # factor: what the kept values are scaled by
     for mt in T.unroll(n_mt):
+        if squashed:
+            for i in T.unroll(ns * 4):
+                s[mt * ns * 4 + i] = score.squash(s[mt * ns * 4 + i] * inner)
         if by_key:  # a key's two rows together: its column values (score.col_values) load once
             for nt in T.unroll(ns):
                 for e in T.unroll(2):
@@ -379,7 +393,7 @@ def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, ma
                                        with_kv_parts(index, mt, hh, base=k0 + lane % 4 * 2, offset=nt * 8 + e, col=col))
         if raw and interleave:  # both rows' maxima and shuffles side by side, then their exponents
             for hh in T.unroll(2):
-                raw_row_max(mx, hh, m[mt * 2 + hh], s, mt, hh, ns, scale, log2_scale)
+                raw_row_max(mx, hh, m[mt * 2 + hh], s, mt, hh, ns, factor, log2_scale)
             for hh in T.unroll(2):
                 mx[hh] = T.cuda.warp_max(mx[hh], width=4)
             for hh in T.unroll(2):
@@ -387,7 +401,7 @@ def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, ma
         else:
             for hh in T.unroll(2):
                 if raw:
-                    raw_row_max(mx, 0, m[mt * 2 + hh], s, mt, hh, ns, scale, log2_scale)
+                    raw_row_max(mx, 0, m[mt * 2 + hh], s, mt, hh, ns, factor, log2_scale)
                 else:
                     mx[0] = m[mt * 2 + hh]
                     for nt in T.unroll(ns):

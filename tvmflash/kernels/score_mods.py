@@ -831,6 +831,21 @@ class ScorePipeline:
             return 1
         return alibi.tile_side(q_lo, q_hi, kv_lo, kv_hi, self.shape)
 
+    def squashed_values(self, scale):
+        """For a pipeline whose only value modifier is a softcap (no packed sequences): (a, c) with
+        the modified score of a raw score s equal to c x tanh(a s), scale folded into a; None
+        for other pipelines. A forward may keep tanh(a s) and fold c into its exponent."""
+        changing = [m for m in self.mods if not m.is_mask]
+        if self.seqs is not None or len(changing) != 1 or not isinstance(changing[0], _BoundSoftcap):
+            return None
+        cap = changing[0]
+        return scale * cap._inverse(), cap.cap
+
+    @staticmethod
+    def squash(value):
+        """tanh, as a softcap applies it (`squashed_values`)."""
+        return _tanh(value)
+
     def split_slope(self, b, h, factor):
         """A splitting bias's slope times `factor` for batch b, head h."""
         return self._split_alibi().slopes[b, h] * factor
