@@ -42,7 +42,7 @@ from tvm.script import tirx as T
 
 from tvmflash.kernels.common import F32, LOG2E, Shape
 from tvmflash.kernels.dropout import check_dropout_blocks
-from tvmflash.kernels.score_mods import TileAt, grad_from_output
+from tvmflash.kernels.score_mods import TileAt, grad_from_output, unit_grad
 from tvmflash.spec import AttentionSpec
 
 from .cuda_backward import DqAccLayout, _check, _declare
@@ -92,6 +92,10 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
     # 128 queries: registers are short, so dP^T reuses S^T's (computed after P^T, not alongside
     # S^T) and dS^T P^T's (after dV += P^T dO), from P^T in 16 bits
     LOW_REG = BM > 64
+    # softcap's factor 1 - tanh^2 (not 1: the other modifiers) folded into the fp32 P^T that dS
+    # reads, where P^T keeps its own registers (not LOW_REG) and no dropout sign: with LOW_REG
+    # dS recomputes it from P^T in 16 bits, a log2 a score (a third MUFU op besides tanh, exp2)
+    FACTORED = not LOW_REG and "dropout" not in spec.variants and not unit_grad(spec.modifiers())
     if LOW_REG and "dropout" in spec.variants:
         raise ValueError(f"dropout needs bwd_wgmma_block_m 64 (P and P Z in separate registers), got {knobs}")
     BN = 64 * NWG
@@ -290,10 +294,10 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
             fence_registers(s, NQ8 * 4)
             if tscore.tile_unmasked(q0, q0 + BM, k0, k0 + BN, at(cur)):
                 transposed_probabilities(s, p, stats, slot, NQ8, tscore, scale, bs, h, q0, k0 + kr, lane, False,
-                                         lse2=None if LOW_REG else row_stat)
+                                         lse2=None if LOW_REG else row_stat, factored=FACTORED)
             else:
                 transposed_probabilities(s, p, stats, slot, NQ8, tscore, scale, bs, h, q0, k0 + kr, lane, True,
-                                         lse2=None if LOW_REG else row_stat)
+                                         lse2=None if LOW_REG else row_stat, factored=FACTORED)
             if drop is not None:  # dV takes P Z; s keeps P with Z in its sign
                 dropout_cols_t(s, p, drop, NQ8, b, h, q0, k0 + kr, lane)
             # dV += P^T dO
@@ -315,7 +319,7 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
                     qc = T.meta_var(nt * 8 + lane % 4 * 2 + i % 2)
                     delta = T.meta_var(stats[slot, 1, qc] if LOW_REG else row_stat[nt * 2 + i % 2])
                     grad = T.meta_var(dropped_ds(drop, prob, dp[idx], delta))
-                    if score.unit_grad:
+                    if score.unit_grad or FACTORED:
                         ds[idx] = T.Cast(dt, grad)
                     else:  # softcap: its factor from the capped score, log2(P) + lse2 (in log2 units)
                         capped = T.meta_var((_fast_log2(T.abs(prob)) + stats[slot, 0, qc]) * T.float32(1 / LOG2E))

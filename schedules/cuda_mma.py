@@ -549,7 +549,7 @@ def copy_row_stats(stats, slot, lse2, delta, b, h, q0, nrows, limit, tid, nthrea
 
 @T.inline
 def transposed_probability(s, p, stats, slot, score, scale, b, h, q0, key0, lane, masked, gs, lse2, nt, hh, e,
-                           row, col):
+                           row, col, factored):
     """One score of `transposed_probabilities` (row, col: its ScoreIndex.row / .col)."""
     idx = T.meta_var(nt * 4 + hh * 2 + e)
     qc = T.meta_var(nt * 8 + lane % 4 * 2 + e)
@@ -557,20 +557,27 @@ def transposed_probability(s, p, stats, slot, score, scale, b, h, q0, key0, lane
     row_lse2 = T.meta_var(stats[slot, 0, qc] if lse2 is None else lse2[nt * 2 + e])
     if gs is not None:
         gs[idx] = score.grad(s[idx] * scale, ix)
-    if masked or score.changes_values:
+    if factored:  # p = P, s = P x d modified / d score (the score's tanh is at hand here)
+        prob = T.alloc_local([1], "float32")
+        exp2_into(prob[0], score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - row_lse2)
+        p[idx] = T.Cast(p.dtype, prob[0])
+        s[idx] = prob[0] * score.grad(s[idx] * scale, ix)
+    elif masked or score.changes_values:
         exp2_into(s[idx], score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - row_lse2)
     else:
         exp2_into(s[idx], s[idx] * (scale * T.float32(LOG2E)) - row_lse2)
-    p[idx] = T.Cast(p.dtype, s[idx])
+    if not factored:
+        p[idx] = T.Cast(p.dtype, s[idx])
 
 
 @T.inline
 def transposed_probabilities(s, p, stats, slot, nq8, score, scale, b, h, q0, key0, lane, masked, gs=None,
-                             lse2=None):
+                             lse2=None, factored=False):
     """Scores S^T in s (rows keys from key0, nq8 n8 tiles of queries from q0) -> P^T =
     exp2(S^T scale log2e - lse2[query]) in s (fp32) and p (its 16-bit type); `gs` (modifiers
-    whose gradient is not 1) takes d modified score / d score of each. lse2[query] from
-    stats[slot, 0], or from `lse2` (registers filled by `thread_row_stats`)."""
+    whose gradient is not 1) takes d modified score / d score of each; `factored`: s takes P
+    times it instead (p stays P). lse2[query] from stats[slot, 0], or from `lse2` (registers
+    filled by `thread_row_stats`)."""
     modified = T.meta_var(masked or score.changes_values)
     if modified and score.row_values + score.col_values > 0:
         # values loaded once: a thread's two keys' up front, each query's for its two keys
@@ -580,13 +587,13 @@ def transposed_probabilities(s, p, stats, slot, nq8, score, scale, b, h, q0, key
                 query = T.meta_var(bound_values(score, "row", b, h, q0 + nt * 8 + lane % 4 * 2 + e, True))
                 for hh in T.unroll(2):
                     transposed_probability(s, p, stats, slot, score, scale, b, h, q0, key0, lane, masked, gs, lse2,
-                                           nt, hh, e, query, pick_values(keys, hh))
+                                           nt, hh, e, query, pick_values(keys, hh), factored)
     else:
         for nt in T.unroll(nq8):
             for hh in T.unroll(2):
                 for e in T.unroll(2):
                     transposed_probability(s, p, stats, slot, score, scale, b, h, q0, key0, lane, masked, gs, lse2,
-                                           nt, hh, e, None, None)
+                                           nt, hh, e, None, None, factored)
 
 
 @T.inline
