@@ -435,11 +435,11 @@ def load_key_terms(kt, score, b, h, lane):
 def split_bias_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, kt, sign, interleave=False):
     """softmax_tile on an unmasked tile where the bias splits (`ScorePipeline.bias_side` gave
     `sign`, 1 or -1: ALiBi off its diagonal) into sign x (key term - row term): scores take the
-    key term alone, S = s x scale + sign x slope x (key - k0) (one multiply-add, the key term
-    one more a column: from `load_key_terms`'s kt, shared by a lane's two rows), and a row's term r enters its max, max(m, max(S)
-    + r), and its exponents, exp2(S - (max - r)), once a row. The full |distance| cost a
-    subtraction, a multiply and a multiply-add a score (ALiBi's forward ran 35% over the plain
-    one at 16k on the H200)."""
+    key term alone, S = s x scale + sign x slope x (key - k0) (one multiply-add; the key term is
+    one more a column, from `load_key_terms`'s kt, shared by a lane's two rows), and a row's
+    term r enters its max, max(m, max(S) + r), and its exponents, exp2(S - (max - r)), once a
+    row. The full |distance| cost a subtraction, a multiply and a multiply-add a score (ALiBi's
+    forward ran 35% over the plain one at 16k on the H200)."""
     log2_scale = T.meta_var(scale * T.float32(LOG2E))
     slope = T.meta_var(kt[0] * T.float32(-sign))  # -sign x slope x log2 e
     for mt in T.unroll(n_mt):
