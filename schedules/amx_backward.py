@@ -110,6 +110,36 @@ def backward_amx_pack_kernel(spec, pad: int) -> tirx.PrimFunc:
     return pack.with_attr("global_symbol", "backward_pack")
 
 
+def step_index(b, h, q0, k0, i, j, LQ, LK, masked: bool) -> ScoreIndex:
+    """Score (q0 + i, k0 + j)'s index, clamped into bounds on tiles that may pass them."""
+    if masked:
+        return ScoreIndex(b, h, T.min(q0 + i, LQ - 1), T.min(k0 + j, LK - 1))
+    return ScoreIndex(b, h, q0 + i, k0 + j)
+
+
+def key_kept(value, inside, masked: bool):
+    """value, or 0 for a padded key on tiles that may pass Lk."""
+    return T.Select(inside, value, T.float32(0)) if masked else value
+
+
+@T.inline
+def step_gradients(score, scale, sT, dpT, pT, dsT, lse_t, delta_t, b, h, q0, k0, BQ, BK, LQ, LK, masked):
+    """P^T and dS^T of a step's tile, 16 queries a vector; `masked`: the tile is not whole."""
+    for j in T.serial(BK):
+        for i in T.vectorized(BQ):
+            with T.sblock("p" if masked else "p_whole"):
+                vj, vi = T.axis.remap("SS", [j, i])
+                pT[vj, vi] = key_kept(fast_exp(modified(score, sT[vj, vi] * scale,
+                                                        step_index(b, h, q0, k0, vi, vj, LQ, LK, masked), masked)
+                                               - lse_t[vi]), k0 + vj < LK, masked)
+    for j in T.serial(BK):
+        for i in T.vectorized(BQ):
+            with T.sblock("ds" if masked else "ds_whole"):
+                vj, vi = T.axis.remap("SS", [j, i])
+                dsT[vj, vi] = pT[vj, vi] * (dpT[vj, vi] - delta_t[vi]) * score.grad(
+                    sT[vj, vi] * scale, step_index(b, h, q0, k0, vi, vj, LQ, LK, masked))
+
+
 @T.inline
 def score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, lse_t, delta_t, b, h, hk, q0, k0, BQ, BK, D, LQ, LK):
     """P^T and dS^T (fp32, keys x queries) of one (kv-block, q-block) step."""
@@ -129,34 +159,10 @@ def score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, lse_t, delta_t, b, h
     # loops ran scalar wherever a modifier indexed scores (ALiBi, windows: 8-10x and 4x the
     # plain backward on the Xeon). Whole tiles (`tile_unmasked`) take only the value
     # modifiers, without the per-score clamps and masks.
-    whole = T.meta_var(score.tile_unmasked(q0, q0 + BQ, k0, k0 + BK))
-    if whole:
-        for j in T.serial(BK):
-            for i in T.vectorized(BQ):
-                with T.sblock("p_whole"):
-                    vj, vi = T.axis.remap("SS", [j, i])
-                    pT[vj, vi] = fast_exp(modified(score, sT[vj, vi] * scale, ScoreIndex(b, h, q0 + vi, k0 + vj),
-                                                   False) - lse_t[vi])
-        for j in T.serial(BK):
-            for i in T.vectorized(BQ):
-                with T.sblock("ds_whole"):
-                    vj, vi = T.axis.remap("SS", [j, i])
-                    dsT[vj, vi] = pT[vj, vi] * (dpT[vj, vi] - delta_t[vi]) * score.grad(
-                        sT[vj, vi] * scale, ScoreIndex(b, h, q0 + vi, k0 + vj))
+    if score.tile_unmasked(q0, q0 + BQ, k0, k0 + BK):
+        step_gradients(score, scale, sT, dpT, pT, dsT, lse_t, delta_t, b, h, q0, k0, BQ, BK, LQ, LK, False)
     else:
-        for j in T.serial(BK):
-            for i in T.vectorized(BQ):
-                with T.sblock("p"):
-                    vj, vi = T.axis.remap("SS", [j, i])
-                    pT[vj, vi] = T.Select(k0 + vj < LK, fast_exp(modified(
-                        score, sT[vj, vi] * scale, ScoreIndex(b, h, T.min(q0 + vi, LQ - 1), T.min(k0 + vj, LK - 1)))
-                        - lse_t[vi]), T.float32(0))
-        for j in T.serial(BK):
-            for i in T.vectorized(BQ):
-                with T.sblock("ds"):
-                    vj, vi = T.axis.remap("SS", [j, i])
-                    dsT[vj, vi] = pT[vj, vi] * (dpT[vj, vi] - delta_t[vi]) * score.grad(
-                        sT[vj, vi] * scale, ScoreIndex(b, h, T.min(q0 + vi, LQ - 1), T.min(k0 + vj, LK - 1)))
+        step_gradients(score, scale, sT, dpT, pT, dsT, lse_t, delta_t, b, h, q0, k0, BQ, BK, LQ, LK, True)
 
 
 @T.inline

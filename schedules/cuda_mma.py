@@ -431,6 +431,18 @@ def load_key_terms(kt, score, b, h, lane):
         kt[1] = kt[0] * T.Cast("float32", lane % 4 * 2)
 
 
+def split_key_term(scaled, kt, column, sign: int):
+    """scaled +- the split bias's key term of a lane's column `column` (from `load_key_terms`'s
+    kt): one multiply-add past the key term, which a lane's two rows share."""
+    term = kt[1] + kt[0] * T.float32(column)
+    return scaled + term if sign > 0 else scaled - term
+
+
+def split_row_term(score, index, mt, hh, k0, kt, sign: int):
+    """The split bias's term -sign x slope x log2 e x d of a lane's row hh of m-tile mt."""
+    return kt[0] * T.float32(-sign) * score.split_offset(index(mt, hh, k0), k0)
+
+
 @T.inline
 def split_bias_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, kt, sign, interleave=False):
     """softmax_tile on an unmasked tile where the bias splits (`ScorePipeline.bias_side` gave
@@ -441,33 +453,28 @@ def split_bias_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, kt, s
     row. The full |distance| cost a subtraction, a multiply and a multiply-add a score (ALiBi's
     forward ran 35% over the plain one at 16k on the H200)."""
     log2_scale = T.meta_var(scale * T.float32(LOG2E))
-    slope = T.meta_var(kt[0] * T.float32(-sign))  # -sign x slope x log2 e
     for mt in T.unroll(n_mt):
         for nt in T.unroll(ns):
             for e in T.unroll(2):
                 for hh in T.unroll(2):
-                    if sign > 0:
-                        s[(mt * ns + nt) * 4 + hh * 2 + e] = s[(mt * ns + nt) * 4 + hh * 2 + e] * log2_scale \
-                            + (kt[1] + kt[0] * T.float32(nt * 8 + e))
-                    else:
-                        s[(mt * ns + nt) * 4 + hh * 2 + e] = s[(mt * ns + nt) * 4 + hh * 2 + e] * log2_scale \
-                            - (kt[1] + kt[0] * T.float32(nt * 8 + e))
+                    s[(mt * ns + nt) * 4 + hh * 2 + e] = split_key_term(
+                        s[(mt * ns + nt) * 4 + hh * 2 + e] * log2_scale, kt, nt * 8 + e, sign)
         if interleave:
             for hh in T.unroll(2):
                 mx[hh] = T.max(m[mt * 2 + hh], pairwise(tirx.Max, row_scores(s, mt, hh, ns))
-                               + slope * score.split_offset(index(mt, hh, k0), k0))
+                               + split_row_term(score, index, mt, hh, k0, kt, sign))
             for hh in T.unroll(2):
                 mx[hh] = T.cuda.warp_max(mx[hh], width=4)
             for hh in T.unroll(2):
                 row_exponents(s, m, l, alpha, mt, hh, ns, mx[hh], False, log2_scale,
-                              slope * score.split_offset(index(mt, hh, k0), k0))
+                              split_row_term(score, index, mt, hh, k0, kt, sign))
         else:
             for hh in T.unroll(2):
                 mx[0] = T.max(m[mt * 2 + hh], pairwise(tirx.Max, row_scores(s, mt, hh, ns))
-                              + slope * score.split_offset(index(mt, hh, k0), k0))
+                              + split_row_term(score, index, mt, hh, k0, kt, sign))
                 mx[0] = T.cuda.warp_max(mx[0], width=4)
                 row_exponents(s, m, l, alpha, mt, hh, ns, mx[0], False, log2_scale,
-                              slope * score.split_offset(index(mt, hh, k0), k0))
+                              split_row_term(score, index, mt, hh, k0, kt, sign))
 
 
 @T.inline
@@ -476,15 +483,12 @@ def unmasked_softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0,
     """softmax_tile for a tile [q_lo, q_hi) x [k0, kv_hi) that `tile_unmasked` proved whole:
     `split_bias_tile` where the bias splits there (kt: `load_key_terms`'s registers)."""
     side = T.meta_var(score.bias_side(q_lo, q_hi, k0, kv_hi))
-    if side is None:
-        softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, False, fold_scale, interleave)
+    if side == 1:
+        split_bias_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, kt, 1, interleave)
+    elif side == -1:
+        split_bias_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, kt, -1, interleave)
     else:
-        if side == 1:
-            split_bias_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, kt, 1, interleave)
-        elif side == -1:
-            split_bias_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, kt, -1, interleave)
-        else:
-            softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, False, fold_scale, interleave)
+        softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, False, fold_scale, interleave)
 
 
 @T.inline

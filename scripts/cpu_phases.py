@@ -1,7 +1,8 @@
 """Where the CPU time goes: per-kernel times of one forward and one backward call (B=1, H=16;
 packs, delta and the main kernels apart, the backward's split plan too) with GFLOP/s per
 thread, then the torch/TVM thread interplay (a tvmflash call alternating with a torch SDPA
-call, against each alone). One JSON line per measurement; `interplay` as the only argument runs only the latter.
+call, against each alone). One JSON line per measurement; `interplay` as the only argument
+runs only the latter.
 
     python scripts/cpu_phases.py                                 # with device_check_cpu.sh's setup
     TVMFLASH_THREADS=tvm python scripts/cpu_phases.py interplay  # the same on TVM's own pool

@@ -807,11 +807,16 @@ class ScorePipeline:
         terms = [m.bias(ix, self.shape, factor) for m in self.mods if not m.is_mask]
         return functools.reduce(lambda a, b: a + b, terms)
 
-    def _split_alibi(self):
+    def _lone_value_mod(self, kind):
+        """The only modifier that changes values when it is a `kind` and no sequences are packed
+        (the forms kernels may special-case), else None."""
         changing = [m for m in self.mods if not m.is_mask]
-        if self.seqs is None and len(changing) == 1 and isinstance(changing[0], _BoundAlibi):
+        if self.seqs is None and len(changing) == 1 and isinstance(changing[0], kind):
             return changing[0]
         return None
+
+    def _split_alibi(self):
+        return self._lone_value_mod(_BoundAlibi)
 
     @property
     def splits_bias(self) -> bool:
@@ -822,11 +827,11 @@ class ScorePipeline:
     def bias_side(self, q_lo, q_hi, kv_lo, kv_hi):
         """Where a splitting bias (`splits_bias`) lies on a tile: 1 or -1 (`_BoundAlibi.tile_side`:
         the bias is then side x `split_slope` x ((key - kv_lo) - `split_offset`)), 0 where it
-        does not split; the constant 1 under a bottom-right causal mask (the tiles it leaves
-        whole lie below the diagonal); None for pipelines whose bias does not split."""
+        does not split (the constant 0 for pipelines without such a bias); the constant 1 under a
+        bottom-right causal mask (the tiles it leaves whole lie below the diagonal)."""
         alibi = self._split_alibi()
         if alibi is None:
-            return None
+            return 0
         if any(isinstance(m, Causal) and m.align == "bottom_right" for m in self.mods):
             return 1
         return alibi.tile_side(q_lo, q_hi, kv_lo, kv_hi, self.shape)
@@ -835,11 +840,8 @@ class ScorePipeline:
         """For a pipeline whose only value modifier is a softcap (no packed sequences): (a, c) with
         the modified score of a raw score s equal to c x tanh(a s), scale folded into a; None
         for other pipelines. A forward may keep tanh(a s) and fold c into its exponent."""
-        changing = [m for m in self.mods if not m.is_mask]
-        if self.seqs is not None or len(changing) != 1 or not isinstance(changing[0], _BoundSoftcap):
-            return None
-        cap = changing[0]
-        return scale * cap._inverse(), cap.cap
+        cap = self._lone_value_mod(_BoundSoftcap)
+        return None if cap is None else (scale * cap._inverse(), cap.cap)
 
     @staticmethod
     def squash(value):
