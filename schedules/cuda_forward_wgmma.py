@@ -30,6 +30,8 @@ Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/ (tvmflash.tuning)):
     wgmma_producer    1: the warp-specialized loop (with two warpgroups), 0: lockstep
     wgmma_stages      K/V ring slots of the warp-specialized loop (2-4; smem permitting)
     wgmma_pingpong    1: its consumers take turns at the tensor cores, 0: they issue freely
+    wgmma_poly_exp2   eighths of a softcap tile's exponents computed by a polynomial on the
+                      FMA pipe (`cuda_mma.poly_exp2_into`), not MUFU.EX2 (which tanh shares)
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registe
                          gemm_ss_kmajor, wgmma_op)
 
 DEFAULTS = {"forward_wgmma": 1, "wgmma_block_n": 128, "wgmma_warpgroups": 2, "cta_order_l2_mb": 8,
-            "wgmma_producer": 1, "wgmma_stages": 3, "wgmma_pingpong": 1}
+            "wgmma_producer": 1, "wgmma_stages": 3, "wgmma_pingpong": 1, "wgmma_poly_exp2": 1}
 # the warp-specialized loop's producer warpgroup's registers a thread (setmaxnreg); its two
 # consumers share the rest of the 512 a thread slot has over three warpgroups
 PRODUCER_REGS = 40
@@ -91,7 +93,8 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         raise ValueError(f"the wgmma forward needs head_dim % 64 == 0, got {spec}")
     if BN % 16 or not 16 <= BN <= 256 or NWG not in (1, 2, 3):
         raise ValueError(f"bad wgmma forward knobs {knobs}")
-    if knobs["wgmma_producer"] not in (0, 1) or knobs["wgmma_stages"] not in (2, 3, 4):
+    if knobs["wgmma_producer"] not in (0, 1) or knobs["wgmma_stages"] not in (2, 3, 4) \
+            or not 0 <= knobs["wgmma_poly_exp2"] <= 8:
         raise ValueError(f"bad wgmma forward knobs {knobs}")
     WS = warp_specialized(knobs)  # else lockstep
     STAGES = knobs["wgmma_stages"] if WS else 2
@@ -192,7 +195,8 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                 full = T.meta_var(None if walk.first_full is None else j >= walk_regs[1])
                 if tscore.tile_unmasked(q0, T.min(q0 + BM, lq), k0, k0 + BN, TileAt(bs, h, (BM, BN)), full):
                     unmasked_softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, scale, index, k0, k0 + BN, q0,
-                                          T.min(q0 + BM, lq), kt, lane, fold_scale=True, interleave=WS)
+                                          T.min(q0 + BM, lq), kt, lane, fold_scale=True, interleave=WS,
+                                          poly=knobs["wgmma_poly_exp2"])
                 else:
                     softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, scale, index, k0, lane, True)
                 if score.dropout is not None:  # l has the undropped P; O takes P Z

@@ -276,6 +276,28 @@ def exp2_into(dst, x):
     T.ptx["ex2.approx.ftz.f32"](dst, x)
 
 
+# 2^f on [-1/2, 1/2] as a cubic (relative error 7.5e-5: below the 16-bit P's rounding)
+POLY_EXP2 = (0.9999280571937561, 0.6932609677314758, 0.2426111400127411, 0.0551716685295105)
+ROUNDER = 12582912.0  # 1.5 x 2^23: x + ROUNDER holds round(x) in its low mantissa bits
+
+
+@T.inline
+def poly_exp2_into(buf, i, x):
+    """buf[i] = 2^x on the FMA and integer pipes (FlashAttention-4's offload): x = n + f with
+    n = round(x) (one add of ROUNDER, kept opaque so that no simplifier folds it away), 2^f
+    by POLY_EXP2, 2^n added to its exponent bits. x is clamped at -125 (2^-125, not 0: for
+    scores of unmasked tiles only). 7 instructions where MUFU.EX2 is one, but off the MUFU
+    unit, which a softcap's tanh shares with the exponent."""
+    rounded = T.alloc_local((1,), "float32")
+    buf[i] = T.max(x, T.float32(-125))
+    T.ptx["add.rn.f32"](rounded[0], buf[i], T.float32(ROUNDER))
+    f = T.meta_var(buf[i] - (rounded[0] - T.float32(ROUNDER)))
+    buf[i] = ((T.float32(POLY_EXP2[3]) * f + T.float32(POLY_EXP2[2])) * f + T.float32(POLY_EXP2[1])) * f \
+        + T.float32(POLY_EXP2[0])
+    buf[i] = T.reinterpret("float32", T.reinterpret("int32", buf[i])
+                           + T.shift_left(T.reinterpret("int32", rounded[0]), 23))
+
+
 def bound_values(score, axis: str, b, h, at, used: bool):
     """The values of query row `at` (axis "row": score.row_values) or key `at` ("col":
     col_values) that the scores of that row / key share, each bound once (TVM shares no loads
@@ -328,18 +350,21 @@ def raw_row_max(dst, i, m_row, s, mt, hh, ns, scale, log2_scale):
 
 
 @T.inline
-def row_exponents(s, m, l, alpha, mt, hh, ns, mx, raw, log2_scale, row_term=None):
+def row_exponents(s, m, l, alpha, mt, hh, ns, mx, raw, log2_scale, row_term=None, poly=0):
     """Row hh of m-tile mt with its new max mx (log2 units, in a register): the rescale factor
     into alpha, m and l moved to it, then P = exp2(S - mx) and its sum; `raw` scores take the
     scale in the same multiply-add. `row_term`: S holds scores without this row's share of a
-    split bias (`split_bias_tile`), so P = exp2(S - (mx - row_term))."""
+    split bias (`split_bias_tile`), so P = exp2(S - (mx - row_term)). `poly` (raw scores): of
+    each 8 n8 tiles, the first `poly` take `poly_exp2_into`, not MUFU.EX2."""
     exp2_into(alpha[mt * 2 + hh], m[mt * 2 + hh] - mx)
     m[mt * 2 + hh] = mx
     l[mt * 2 + hh] = l[mt * 2 + hh] * alpha[mt * 2 + hh]
     for nt in T.unroll(ns):
         for e in T.unroll(2):
             idx = T.meta_var((mt * ns + nt) * 4 + hh * 2 + e)
-            if raw:
+            if raw and nt % 8 < poly:
+                poly_exp2_into(s, idx, s[idx] * log2_scale - mx)
+            elif raw:
                 exp2_into(s[idx], s[idx] * log2_scale - mx)  # one multiply-add
             elif row_term is not None:
                 exp2_into(s[idx], s[idx] - (mx - row_term))
@@ -357,7 +382,8 @@ def raw_values(score, scale, unmasked: bool):
 
 
 @T.inline
-def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, masked, fold_scale=False, interleave=False):
+def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, masked, fold_scale=False, interleave=False,
+                 poly=0):
     """One K/V tile of the forward's online softmax on accumulator fragments: n_mt m-tiles of
     16 rows, ns n8 tiles of scores S (k0: the tile's first key). Scores go to the exp2 domain;
     m is the running max and l this lane's partial row sum (two rows per m-tile: g and g + 8,
@@ -367,7 +393,8 @@ def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, ma
     `interleave` (with fold_scale): a lane's two rows' maxima, shuffles and exponents side by
     side (mx: 2 registers), for a warp that runs its softmax alone on its scheduler (the
     warp-specialized forward: 4-5% faster there; 1-5% slower in lockstep, where the other
-    warpgroup's softmax hides the latency)."""
+    warpgroup's softmax hides the latency). `poly`: eighths of a squashed (softcap) tile's
+    exponents that take `poly_exp2_into` (tanh and exp2 both on MUFU bound it)."""
     by_key = T.meta_var(score.col_values > 0 and (masked or score.changes_values))
     # With `fold_scale`, scores a tile leaves unmodified stay raw: their row max is taken first
     # and scaled once, then each exponent is one multiply-add (s * scale log2 e - max). Scaling
@@ -379,6 +406,7 @@ def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, ma
     squashed, inner, factor = T.meta_var(raw_values(score, scale, fold_scale and not masked))
     raw = T.meta_var(fold_scale and not masked and (not score.changes_values or squashed))
     log2_scale = T.meta_var(factor * T.float32(LOG2E))  # factor: what the kept values are scaled by
+    poly_tiles = T.meta_var(poly if squashed else 0)
     for mt in T.unroll(n_mt):
         if squashed:
             for i in T.unroll(ns * 4):
@@ -397,7 +425,7 @@ def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, ma
             for hh in T.unroll(2):
                 mx[hh] = T.cuda.warp_max(mx[hh], width=4)
             for hh in T.unroll(2):
-                row_exponents(s, m, l, alpha, mt, hh, ns, mx[hh], raw, log2_scale)
+                row_exponents(s, m, l, alpha, mt, hh, ns, mx[hh], raw, log2_scale, poly=poly_tiles)
         else:
             for hh in T.unroll(2):
                 if raw:
@@ -412,7 +440,7 @@ def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, ma
                                                with_kv_parts(index, mt, hh, base=k0 + lane % 4 * 2, offset=nt * 8 + e))
                             mx[0] = T.max(mx[0], s[idx])
                 mx[0] = T.cuda.warp_max(mx[0], width=4)
-                row_exponents(s, m, l, alpha, mt, hh, ns, mx[0], raw, log2_scale)
+                row_exponents(s, m, l, alpha, mt, hh, ns, mx[0], raw, log2_scale, poly=poly_tiles)
 
 
 def key_terms_size(score) -> int:
@@ -479,7 +507,7 @@ def split_bias_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, kt, s
 
 @T.inline
 def unmasked_softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, kv_hi, q_lo, q_hi, kt, lane,
-                          fold_scale=False, interleave=False):
+                          fold_scale=False, interleave=False, poly=0):
     """softmax_tile for a tile [q_lo, q_hi) x [k0, kv_hi) that `tile_unmasked` proved whole:
     `split_bias_tile` where the bias splits there (kt: `load_key_terms`'s registers)."""
     side = T.meta_var(score.bias_side(q_lo, q_hi, k0, kv_hi))
@@ -488,7 +516,7 @@ def unmasked_softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0,
     elif side == -1:
         split_bias_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, kt, -1, interleave)
     else:
-        softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, False, fold_scale, interleave)
+        softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, False, fold_scale, interleave, poly)
 
 
 @T.inline

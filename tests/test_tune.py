@@ -16,6 +16,9 @@ def test_candidates_respect_shared_memory_and_registers():
             assert knobs["warp_m_tiles"] == 1 or d <= 128
     assert len(tune.candidates(AttentionSpec("float16", 64), arch="sm_80")) == 40  # (12 one-tile + 8 two-tile) x 2 rings
     assert "block_m" in tune.candidates(AttentionSpec("float16", 96))[0]  # sm_90a, no wgmma kernel for 96
+    softcap = tune.candidates(AttentionSpec("bfloat16", 128, variants=("softcap",)))
+    assert sorted({c["wgmma_poly_exp2"] for c in softcap}) == [0, 1, 2]
+    assert len(softcap) == 3 * len(tune.candidates(AttentionSpec("bfloat16", 128)))
 
 
 def test_hopper_candidates_are_the_wgmma_knobs_that_fit():

@@ -91,6 +91,28 @@ def test_kernel_argument_order_matches_the_modifiers():
         tvmflash.AttentionSpec(variants=("window", "softcap"))
 
 
+def test_polynomial_exp2_keeps_to_its_bound():
+    """The softcap forward's FMA-pipe exponent (schedules/cuda_mma.poly_exp2_into), its steps
+    replayed in float32: round by ROUNDER, the cubic on the fraction, the integer part added
+    to the exponent bits. Relative error <= 1e-4 over the range it serves, 2^-125 below it."""
+    import numpy as np
+
+    from tvmflash.schedules.cuda_mma import POLY_EXP2, ROUNDER
+
+    f32 = np.float32
+    x = np.concatenate([np.linspace(-125, 0, 1_000_001), -np.logspace(-8, 0, 1001), [-1e4, -126.0]]).astype(f32)
+    clamped = np.maximum(x, f32(-125))
+    rounded = clamped + f32(ROUNDER)
+    frac = clamped - (rounded - f32(ROUNDER))
+    assert np.abs(frac).max() <= 0.5
+    poly = ((f32(POLY_EXP2[3]) * frac + f32(POLY_EXP2[2])) * frac + f32(POLY_EXP2[1])) * frac + f32(POLY_EXP2[0])
+    bits = poly.view(np.int32) + (rounded.view(np.int32) << np.int32(23))
+    got = bits.view(f32).astype(np.float64)
+    want = np.exp2(clamped.astype(np.float64))
+    assert np.abs(got / want - 1).max() < 1e-4
+    assert got[-2] == got[-1] == got[0]  # x[0] = -125: below it the clamp holds
+
+
 @pytest.mark.parametrize("lq,lk", [(1000, 1000), (113, 203), (203, 113), (300, 4000)], ids=str)
 def test_alibi_bias_splits_into_row_and_key_terms_off_its_diagonal(lq, lk):
     """The CUDA forwards' split ALiBi (schedules/cuda_mma.split_bias_tile): on a tile that

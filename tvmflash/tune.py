@@ -70,9 +70,11 @@ def candidates(spec: AttentionSpec, phase: str = "forward", arch: str = "sm_90a"
                 for (w, bn), st in itertools.product(shapes, (2, 3))
                 if (16 + 2 * st * bn) * row_bytes + merge_bytes <= SMEM_LIMIT]
     if phase == "forward" and cuda_forward_wgmma.supports(spec, arch):
-        for bn, wg in itertools.product((64, 128), (1, 2)):
+        # a softcap's exponents split between MUFU and the FMA pipe (knob of no other spec)
+        polys = [{"wgmma_poly_exp2": k} for k in (0, 1, 2)] if "softcap" in spec.variants else [{}]
+        for bn, wg, poly in itertools.product((64, 128), (1, 2), polys):
             if (64 * wg + 4 * bn) * d * 2 <= SMEM_LIMIT:  # Q + two K and two V tiles
-                out.append({"forward_wgmma": 1, "wgmma_block_n": bn, "wgmma_warpgroups": wg})
+                out.append({"forward_wgmma": 1, "wgmma_block_n": bn, "wgmma_warpgroups": wg, **poly})
     elif phase == "forward":
         for bm, bn, q_regs, mt, st in itertools.product((64, 128), (32, 64, 128), (1, 0), (1, 2), (2, 3)):
             # two m-tiles per warp double the accumulators: only where registers allow
