@@ -320,7 +320,9 @@ def pick_values(per_half: list, hh):
 @T.inline
 def modified_score(s, idx, score, scale, masked, ix):
     """s[idx]: a raw score -> its modified, scaled score in the exp2 domain."""
-    if masked or (score.changes_values and not score.additive):
+    if masked and not score.changes_values:  # masks pick the score or -inf: scale it in one multiply
+        s[idx] = score(s[idx] * (scale * T.float32(LOG2E)), ix, masked)
+    elif masked or (score.changes_values and not score.additive):
         s[idx] = score(s[idx] * scale, ix, masked) * T.float32(LOG2E)
     elif score.changes_values:  # a bias: one multiply-add per score on top
         s[idx] = s[idx] * (scale * T.float32(LOG2E)) + score.bias(ix, T.float32(LOG2E))
