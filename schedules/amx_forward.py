@@ -52,14 +52,45 @@ def modified(score: ScorePipeline, s, ix: ScoreIndex, masked: bool = True):
     return score.modify(s, ix, masked)
 
 
-def rewritten_tile(score: ScorePipeline, has_mods: bool, whole):
-    """Whether the score pass rewrote a tile's S^T (modified, scaled): always with value
-    modifiers, for mask-only specs only on tiles not proven `whole` (score.tile_unmasked)."""
+def rewritten_tile(score: ScorePipeline, has_mods: bool, whole, split, terms):
+    """Whether the score pass rewrote a tile's S^T (modified, scaled): with value modifiers
+    unless `exponent`'s `terms` take them on this tile (a `split` bias; a softcap's on whole
+    tiles), for mask-only specs only on tiles not proven `whole` (score.tile_unmasked)."""
     if not has_mods:
         return tirx.const(False, "bool")
+    if terms is not None:
+        return tirx.Not(split) if terms[0] == "split" else tirx.Not(whole)
     if score.changes_values:
         return tirx.const(True, "bool")
     return tirx.Not(whole)
+
+
+def split_tile(score: ScorePipeline, whole, q_lo, q_hi, kv_lo, kv_hi):
+    """(split, side) of a tile: whether its S^T stays raw and its bias comes as `bias_terms`
+    (a whole tile off ALiBi's diagonal, `ScorePipeline.splits_bias`), and the bias's side."""
+    if not score.splits_bias:
+        return tirx.const(False, "bool"), 0
+    side = score.bias_side(q_lo, q_hi, kv_lo, kv_hi)
+    side = tirx.const(side, "int32") if isinstance(side, int) else side
+    return tirx.all(whole, side != 0), side
+
+
+@T.inline
+def bias_terms(score, split, side, keyterm, rowterm, b, h, q0, k0, block_k, block_q):
+    """A split bias in log2 units, side x slope x ((key - k0) - d_row), as keyterm[key - k0] +
+    rowterm[query - q0] (0 where the tile does not `split`): the exponents take them in the
+    multiply-add and subtraction they have anyway, where the rewriting pass over S^T cost ALiBi's
+    forward a third over the plain one on the Xeon."""
+    per_key = T.meta_var(score.split_slope(b, h, T.float32(LOG2E)) * T.Cast(F32, side))
+    for j in T.serial(block_k):
+        with T.sblock("bias_key_terms"):
+            vj = T.axis.remap("S", [j])
+            keyterm[vj] = T.Select(split, per_key * T.Cast(F32, vj), T.float32(0))
+    for i in T.serial(block_q):
+        with T.sblock("bias_row_terms"):
+            vi = T.axis.remap("S", [i])
+            rowterm[vi] = T.Select(split, -per_key * score.split_offset(ScoreIndex(b, h, q0 + vi, None), k0),
+                                   T.float32(0))
 
 
 ROW_PAD = 16  # 4-byte words: rows of BQ words (a power of two of bytes) apart would put a tile's 16
@@ -73,8 +104,41 @@ def probabilities(t, key_inside):
     return tirx.Select(key_inside, exp2_16(t), tirx.Broadcast(tirx.const(0.0, F32), 16))
 
 
+def exponent(sT, src_scale, j, cols, shift, terms):
+    """s * src_scale - shift of key row j, 16 queries `cols`, with `terms` of the value
+    modifiers that no pass wrote into S^T: ("split", keyterm, rowterm) a split bias
+    (`bias_terms`), ("squash", inner, factor, whole) a lone softcap on `whole` tiles, its
+    modified score c tanh(a s) taken here (`ScorePipeline.squashed_values`)."""
+    if terms is None:
+        return sT[j, cols] * src_scale - shift
+    if terms[0] == "split":
+        _, keyterm, rowterm = terms
+        return sT[j, cols] * src_scale + keyterm[j] - (shift - rowterm[cols])
+    _, inner, factor, whole = terms
+    raw = sT[j, cols]
+    return tirx.Select(whole, tanh_16(raw * inner) * factor, raw * src_scale) - shift
+
+
+def tanh_16(y):
+    """tanh of 16 fp32 lanes as 1 - 2 / (2^(2 y log2 e) + 1) on `exp2_16` (which saturates to
+    -1 and 1; the generic fast_exp's clamps are scalar)."""
+    v16 = lambda c: tirx.Broadcast(tirx.const(c, F32), 16)  # noqa: E731
+    return v16(1.0) - v16(2.0) / (exp2_16(y * v16(2 * LOG2E)) + v16(1.0))
+
+
+def value_terms(score: ScorePipeline, scale, whole, keyterm, rowterm):
+    """`exponent`'s terms for `score`'s tiles (None: S^T holds all it needs)."""
+    if score.splits_bias:
+        return ("split", keyterm, rowterm)
+    squashed = score.squashed_values(scale)
+    if squashed is not None:
+        inner, cap = squashed
+        return ("squash", inner, cap * T.float32(LOG2E), whole)
+    return None
+
+
 @T.inline
-def softmax_pair(name, sT, src_scale, m, pp, ls, p, k0, seqlen_k, block_q):
+def softmax_pair(name, sT, src_scale, m, pp, ls, p, k0, seqlen_k, block_q, terms=None):
     """Key rows 2p and 2p + 1 of a kv block's S^T: P = 2^(s * src_scale - m) for 16 queries per
     vector, written as VNNI pairs of the P.V operand and added to the row sums `ls`."""
     with T.sblock(name):
@@ -84,22 +148,24 @@ def softmax_pair(name, sT, src_scale, m, pp, ls, p, k0, seqlen_k, block_q):
             cols = T.meta_var(T.Ramp(ic * 16, 1, 16))
             # bound once (lets): LLVM does not merge the copies meta_vars would leave in the
             # branches it makes of the key checks
-            e0 = probabilities(sT[p * 2, cols] * src_scale - m[cols], k0 + p * 2 < seqlen_k)
-            e1 = probabilities(sT[p * 2 + 1, cols] * src_scale - m[cols], k0 + p * 2 + 1 < seqlen_k)
+            e0 = probabilities(exponent(sT, src_scale, p * 2, cols, m[cols], terms), k0 + p * 2 < seqlen_k)
+            e1 = probabilities(exponent(sT, src_scale, p * 2 + 1, cols, m[cols], terms), k0 + p * 2 + 1 < seqlen_k)
             pp[p, cols] = bf16_pairs(e0, e1)
             ls[cols] = ls[cols] + e0 + e1
 
 
 @T.inline
-def block_max(sT, src_scale, tmax, k0, seqlen_k, block_k, block_q):
-    """tmax = each query's max of s * src_scale over the real keys of a kv block's S^T."""
+def block_max(sT, src_scale, tmax, k0, seqlen_k, block_k, block_q, terms=None):
+    """tmax = each query's max of s * src_scale (+ a split bias's `terms`) over the real keys
+    of a kv block's S^T."""
     for j in T.serial(block_k):
         with T.sblock("block_max"):
             T.reads(sT[j, 0:block_q], tmax[0:block_q])
             T.writes(tmax[0:block_q])
             for ic in T.serial(block_q // 16):
                 cols = T.meta_var(T.Ramp(ic * 16, 1, 16))
-                tmax[cols] = T.max(tmax[cols], T.Select(k0 + j < seqlen_k, sT[j, cols] * src_scale, NEG_INF16))
+                tmax[cols] = T.max(tmax[cols], T.Select(k0 + j < seqlen_k, exponent(
+                    sT, src_scale, j, cols, tirx.Broadcast(T.float32(0), 16), terms), NEG_INF16))
 
 
 def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int, with_k: bool = True) -> tirx.PrimFunc:
@@ -221,6 +287,8 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         alpha = T.sblock_alloc_buffer((BQ,), F32)
                         ls = T.sblock_alloc_buffer((BQ,), F32)
                         grow = T.sblock_alloc_buffer((2,), "int32")  # m may move, m moves
+                        keyterm = T.sblock_alloc_buffer((BK,), F32)  # a split bias (bias_terms)
+                        rowterm = T.sblock_alloc_buffer((BQ,), F32)
                         k0 = T.meta_var(vkb * BK)
                         with T.sblock("qk_amx"):  # S^T = K rows . Q^T
                             T.reads(KP[vb, vhk, k0:k0 + BK, 0:D], qp[0:D // 2, 0:BQ], cfg[0:64])
@@ -229,6 +297,10 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                       lambda r, c: T.address_of(KP[vb, vhk, k0 + r, c]), kp_row,
                                       lambda r, c: T.address_of(qp[r, c]), ROW * 4, BK, BQ, D, False)
                         whole = T.meta_var(score.tile_unmasked(q0, q0 + BQ, k0, k0 + BK))
+                        split, side = T.meta_var(split_tile(score, whole, q0, q0 + BQ, k0, k0 + BK))
+                        terms = T.meta_var(value_terms(score, scale, whole, keyterm, rowterm))
+                        if score.splits_bias:
+                            bias_terms(score, split, side, keyterm, rowterm, vb, vh, q0, k0, BK, BQ)
                         if has_mods:  # modified scores in place (vectorised here, not by a rule)
                             if not whole:  # -inf where masked or past Lk
                                 for j in T.serial(BK):
@@ -239,16 +311,17 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                                 score, sT[vj, vi] * scale,
                                                 ScoreIndex(vb, vh, T.min(q0 + vi, LQ - 1), T.min(k0 + vj, LK - 1))),
                                                 NEG_INF)
-                            elif score.changes_values:  # a whole tile: only the value modifiers
-                                for j in T.serial(BK):
-                                    for i in T.vectorized(BQ):
-                                        with T.sblock("score_values_in_place"):
-                                            vj, vi = T.axis.remap("SS", [j, i])
-                                            sT[vj, vi] = modified(score, sT[vj, vi] * scale,
-                                                                  ScoreIndex(vb, vh, q0 + vi, k0 + vj), False)
+                            elif score.changes_values and (terms is None or terms[0] == "split"):
+                                if not split:  # a whole tile: only the value modifiers
+                                    for j in T.serial(BK):
+                                        for i in T.vectorized(BQ):
+                                            with T.sblock("score_values_in_place"):
+                                                vj, vi = T.axis.remap("SS", [j, i])
+                                                sT[vj, vi] = modified(score, sT[vj, vi] * scale,
+                                                                      ScoreIndex(vb, vh, q0 + vi, k0 + vj), False)
                         # exponents in log2 units: raw scores carry the scale, modified ones are scaled
                         # already (a whole tile of a mask-only spec is left raw)
-                        rewritten = T.meta_var(rewritten_tile(score, has_mods, whole))
+                        rewritten = T.meta_var(rewritten_tile(score, has_mods, whole, split, terms))
                         src_scale = T.meta_var(T.Select(rewritten, T.float32(LOG2E), scale * T.float32(LOG2E)))
                         for i in T.serial(BQ):
                             with T.sblock("init_stats"):
@@ -257,7 +330,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                 ls[vi] = T.float32(0)
                         if vkb > kb_lo:  # P with the running max m (the first block sets m)
                             for p in T.serial(PAIRS):
-                                softmax_pair("softmax_pack", sT, src_scale, m, pp, ls, p, k0, LK, BQ)
+                                softmax_pair("softmax_pack", sT, src_scale, m, pp, ls, p, k0, LK, BQ, terms)
                         # m must move if an exponent passed GROW; then some row sum passed 2^GROW
                         with T.sblock("init_grow"):
                             grow[0] = T.Select(vkb == kb_lo, 1, 0)
@@ -267,7 +340,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                 vi = T.axis.remap("R", [i])
                                 grow[0] = T.max(grow[0], T.Select(ls[vi] > T.float32(2 ** GROW), 1, 0))
                         if grow[0] > 0:  # rare after the first block: the block's max decides
-                            block_max(sT, src_scale, tmax, k0, LK, BK, BQ)
+                            block_max(sT, src_scale, tmax, k0, LK, BK, BQ, terms)
                             for i in T.serial(BQ):
                                 with T.sblock("move_check"):
                                     vi = T.axis.remap("R", [i])
@@ -286,7 +359,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                         vd, vi = T.axis.remap("SS", [d, i])
                                         accT[vd, vi] = accT[vd, vi] * alpha[vi]
                             for p in T.serial(PAIRS):
-                                softmax_pair("softmax_redo", sT, src_scale, m, pp, ls, p, k0, LK, BQ)
+                                softmax_pair("softmax_redo", sT, src_scale, m, pp, ls, p, k0, LK, BQ, terms)
                         for i in T.serial(BQ):
                             with T.sblock("l_update"):
                                 vi = T.axis.remap("S", [i])

@@ -17,6 +17,7 @@ from tvmflash import AttentionSpec
 from tvmflash.cpu import runs_avx512_amx
 from test_attention import DTYPES, check_against_reference, flash_run, make, masks
 from test_kvcache import check_kvcache
+from test_variants import alibi, flash_variant_run
 
 SPR = {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 16}
 
@@ -181,6 +182,33 @@ def test_amx_forward_reads_whole_keys_in_place():
         assert ops._amx_packs(kernels, k[:, :, 1:], v[:, :, 1:])[0].stride(2) == 128  # padded: packed
         assert ops._forward_kernel_name(kernels, q, k) == ("forward" if lq < 256 else "forward_long")
         check_against_reference(q, k, v, dout, flash_run(True), causal="bottom_right")
+
+
+# (causal, softcap, ALiBi slopes' kind) of test_amx_variants (scripts/device_prebuild_cpu.py builds them)
+AMX_VARIANTS = [(False, 0.0, "h"), (True, 0.0, "bh"), (False, 20.0, None), (True, 5.0, None), (True, 5.0, "h")]
+
+
+def amx_variant_specs() -> set:
+    from tvmflash.ops import spec_for
+
+    return {spec_for(torch.empty(1, 1, 1, d, dtype=torch.bfloat16), None, "bottom_right" if causal else "none",
+                     (-1, -1), softcap, torch.ones(1) if kind else None)
+            for causal, softcap, kind in AMX_VARIANTS for d in (64, 128)}
+
+
+@needs_amx
+@pytest.mark.parametrize("causal,softcap,alibi_kind", AMX_VARIANTS, ids=lambda x: str(x))
+@pytest.mark.parametrize("lq,lk,d", [(1000, 1000, 64), (300, 700, 64), (700, 300, 128), (300, 2100, 128)],
+                         ids=lambda x: str(x))
+def test_amx_variants(causal, softcap, alibi_kind, lq, lk, d):
+    """ALiBi and softcap on the AMX path (both forwards: 300 x 2100 takes forward_long): whole
+    tiles on either side of ALiBi's diagonal take its split bias and a lone softcap's whole
+    tiles their tanh in the exponent (amx_forward.exponent); the others, and softcap with
+    ALiBi, go through the rewriting pass. Forward, lse, every gradient."""
+    q, k, v, dout = make(1, 4, 2, lq, lk, d, torch.bfloat16, seed=lq + lk)
+    slopes = alibi(alibi_kind, 1, 4) if alibi_kind else None
+    check_against_reference(q, k, v, dout, flash_variant_run(causal, softcap=softcap, alibi_slopes=slopes),
+                            causal="bottom_right" if causal else "none", softcap=softcap, alibi_slopes=slopes)
 
 
 @needs_amx
