@@ -66,19 +66,16 @@ def rewritten_tile(score: ScorePipeline, has_mods: bool, whole, split, terms):
 
 
 def kv_order(score: ScorePipeline, step, kb_lo, kb_hi, diagonal, block_k: int):
-    """The kv block of loop step `step` in [kb_lo, kb_hi): in order, or under ALiBi away from
-    the diagonal: from the block holding key `diagonal` (the q-block's last row's position) down
-    to kb_lo, then up from the block after it. ALiBi's bias peaks on a row's diagonal and falls
-    by slope x block_k a block away from it; the forward moves a row's max only when a block
-    passes it by more than GROW, and each move costs a block max, a rescale and a second
-    softmax pass. Walked in key order, most blocks before the diagonal moved it (the heads with
-    slope > ~0.04, half of the usual 16); walked away from the diagonal, a row's max is set
-    where it first sees keys (under a causal mask, at its diagonal) and rarely moves again."""
+    """The kv block of loop step `step` in [kb_lo, kb_hi): in order, or under ALiBi from the
+    block holding key `diagonal` (the q-block's last row's position) onward and around. ALiBi's
+    bias peaks on the diagonal and falls by slope x block_k a block away from it: walked in
+    key order the row max rose by more than GROW at most blocks before the diagonal (for half
+    the heads of the usual slopes), and each rise cost a block max, a rescale and a second
+    softmax pass."""
     if not any(isinstance(m, Alibi) for m in score.mods):
         return step
     first = tirx.min(tirx.max(tirx.floordiv(diagonal, block_k), kb_lo), kb_hi - 1)
-    t = step - kb_lo
-    return tirx.Select(t <= first - kb_lo, first - t, kb_lo + t)
+    return kb_lo + tirx.floormod(step - kb_lo + first - kb_lo, kb_hi - kb_lo)
 
 
 def split_tile(score: ScorePipeline, whole, q_lo, q_hi, kv_lo, kv_hi):
