@@ -33,7 +33,7 @@ from tvm.script import tirx as T
 from ..spec import AttentionSpec
 from ..kernels.common import F32, LOG2E, NEG_INF, KernelArgs, Shape, fast_exp
 from ..kernels.forward import declare_forward_args
-from ..kernels.score_mods import Alibi, ScoreIndex, ScorePipeline
+from ..kernels.score_mods import ScoreIndex, ScorePipeline
 from .amx import BF16, PAIR, bf16_pairs, configure_tiles, exp2_16, pair_bits, release_tiles, tile_gemm
 
 LN2 = 0.6931471805599453
@@ -63,19 +63,6 @@ def rewritten_tile(score: ScorePipeline, has_mods: bool, whole, split, terms):
     if score.changes_values:
         return tirx.const(True, "bool")
     return tirx.Not(whole)
-
-
-def kv_order(score: ScorePipeline, step, kb_lo, kb_hi, diagonal, block_k: int):
-    """The kv block of loop step `step` in [kb_lo, kb_hi): in order, or under ALiBi from the
-    block holding key `diagonal` (the q-block's last row's position) onward and around. ALiBi's
-    bias peaks on the diagonal and falls by slope x block_k a block away from it: walked in
-    key order the row max rose by more than GROW at most blocks before the diagonal (for half
-    the heads of the usual slopes), and each rise cost a block max, a rescale and a second
-    softmax pass."""
-    if not any(isinstance(m, Alibi) for m in score.mods):
-        return step
-    first = tirx.min(tirx.max(tirx.floordiv(diagonal, block_k), kb_lo), kb_hi - 1)
-    return kb_lo + tirx.floormod(step - kb_lo + first - kb_lo, kb_hi - kb_lo)
 
 
 def split_tile(score: ScorePipeline, whole, q_lo, q_hi, kv_lo, kv_hi):
@@ -300,9 +287,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         pp[vr % (BK // 2), BQ + vi] = T.uint32(0)
                 for kb in T.serial(kb_lo, kb_hi):
                     with T.sblock("kv_step"):
-                        vstep = T.axis.opaque((LK + BK - 1) // BK, kb)  # the first step sets m
-                        vkb = T.axis.opaque((LK + BK - 1) // BK, kv_order(score, kb, kb_lo, kb_hi, T.min(q0 + BQ, LQ) - 1
-                                                                          + LK - LQ, BK))
+                        vkb = T.axis.opaque((LK + BK - 1) // BK, kb)
                         tmax = T.sblock_alloc_buffer((BQ,), F32)
                         alpha = T.sblock_alloc_buffer((BQ,), F32)
                         ls = T.sblock_alloc_buffer((BQ,), F32)
@@ -348,13 +333,13 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                 vi = T.axis.remap("S", [i])
                                 tmax[vi] = NEG_INF
                                 ls[vi] = T.float32(0)
-                        if vstep > kb_lo:  # P with the running max m (the first block sets m)
+                        if vkb > kb_lo:  # P with the running max m (the first block sets m)
                             for p in T.serial(PAIRS):
                                 softmax_pair("softmax_pack", sT, src_scale, m, pp, ls, p, k0, LK, BQ, terms)
                         # m must move if an exponent passed GROW; then some row sum passed 2^GROW
                         with T.sblock("init_grow"):
-                            grow[0] = T.Select(vstep == kb_lo, 1, 0)
-                            grow[1] = T.Select(vstep == kb_lo, 1, 0)
+                            grow[0] = T.Select(vkb == kb_lo, 1, 0)
+                            grow[1] = T.Select(vkb == kb_lo, 1, 0)
                         for i in T.serial(BQ):
                             with T.sblock("grow_check"):
                                 vi = T.axis.remap("R", [i])

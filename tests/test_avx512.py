@@ -184,29 +184,6 @@ def test_amx_forward_reads_whole_keys_in_place():
         check_against_reference(q, k, v, dout, flash_run(True), causal="bottom_right")
 
 
-@pytest.mark.parametrize("kb_lo,kb_hi", [(0, 1), (0, 7), (3, 11), (5, 6)], ids=str)
-def test_alibi_kv_order_starts_at_the_diagonal(kb_lo, kb_hi):
-    """amx_forward.kv_order under ALiBi: every kv block once, from the diagonal's block (clamped
-    into the range) onward and around; in key order without ALiBi."""
-    from types import SimpleNamespace
-
-    import tvm
-    from tvm import tirx
-
-    from tvmflash.kernels.score_mods import Alibi
-    from tvmflash.schedules.amx_forward import kv_order
-
-    fold = lambda e: int(tvm.sym.Analyzer().simplify(e))  # noqa: E731
-    c = lambda x: tirx.const(x, "int64")  # noqa: E731
-    alibi, plain = SimpleNamespace(mods=[Alibi()]), SimpleNamespace(mods=[])
-    for diagonal in range(-200, 12 * 64, 37):
-        order = [fold(kv_order(alibi, c(t), c(kb_lo), c(kb_hi), c(diagonal), 64)) for t in range(kb_lo, kb_hi)]
-        first = min(max(diagonal // 64, kb_lo), kb_hi - 1)
-        assert order == list(range(first, kb_hi)) + list(range(kb_lo, first)), diagonal
-        assert [fold(kv_order(plain, c(t), c(kb_lo), c(kb_hi), c(diagonal), 64)) for t in range(kb_lo, kb_hi)] \
-            == list(range(kb_lo, kb_hi))
-
-
 # (causal, softcap, ALiBi slopes' kind) of test_amx_variants (scripts/device_prebuild_cpu.py builds them)
 AMX_VARIANTS = [(False, 0.0, "h"), (True, 0.0, "bh"), (False, 20.0, None), (True, 5.0, None), (True, 5.0, "h")]
 
