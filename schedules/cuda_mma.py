@@ -330,6 +330,33 @@ def modified_score(s, idx, score, scale, masked, ix):
         s[idx] = s[idx] * (scale * T.float32(LOG2E))
 
 
+def offsets_in(band, first, width: int):
+    """A band [lo, hi) of absolute indices as int32 offsets from `first`, clamped to [0, width]
+    (bound once: the compares with a tile's constant offsets are then one instruction each)."""
+    return tuple(irb.bind(tirx.Cast("int32", tirx.max(tirx.min(x - first, width), 0))) for x in band)
+
+
+def band_offsets(score, index, mt, hh, first, width: int, wanted: bool):
+    """(banded, lo, hi): where `wanted` and the pipeline's masks form a band
+    (`ScorePipeline.row_band`: causal, window and the bounds), the offsets o in [0, width)
+    from key `first` that row hh of m-tile mt keeps are lo <= o < hi (int32, bound once a
+    row). Masking a score then takes two compares with constants: the masks' own index
+    arithmetic, in int64 a score, made a diagonal tile cost ~3.4 unmasked ones (H200: 22
+    instructions a score more). (False, None, None) where there is no band or the index
+    moves keys (a sequence's coordinates)."""
+    ix = index(mt, hh, first)
+    band = score.row_band(ix.q_idx) if wanted and ix.kv_idx is first else None
+    return (False, None, None) if band is None else (True, *offsets_in(band, first, width))
+
+
+@T.inline
+def banded_score(s, idx, score, scale, lo, hi, offset, ix):
+    """modified_score of a masked tile's score whose masks form a band (`band_offsets`): the
+    value modifiers as on an unmasked tile, -inf outside lo <= offset < hi."""
+    modified_score(s, idx, score, scale, False, ix)
+    s[idx] = T.Select(tirx.all(lo <= offset, offset < hi), s[idx], NEG_INF)
+
+
 def row_scores(s, mt, hh, ns):
     """The 2 * ns scores of a lane's row g (hh = 0) or g + 8 (hh = 1) of m-tile mt."""
     return [s[(mt * ns + nt) * 4 + hh * 2 + e] for nt in range(ns) for e in range(2)]
@@ -440,12 +467,16 @@ def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, ma
                     raw_row_max(mx, 0, m[mt * 2 + hh], s, mt, hh, ns, factor, log2_scale)
                 else:
                     mx[0] = m[mt * 2 + hh]
+                    banded, lo, hi = T.meta_var(band_offsets(score, index, mt, hh, k0 + lane % 4 * 2, ns * 8,
+                                                             masked and not by_key))
                     for nt in T.unroll(ns):
                         for e in T.unroll(2):
                             idx = T.meta_var((mt * ns + nt) * 4 + hh * 2 + e)
-                            if not by_key:
-                                modified_score(s, idx, score, scale, masked,
-                                               with_kv_parts(index, mt, hh, base=k0 + lane % 4 * 2, offset=nt * 8 + e))
+                            ix = T.meta_var(with_kv_parts(index, mt, hh, base=k0 + lane % 4 * 2, offset=nt * 8 + e))
+                            if banded:
+                                banded_score(s, idx, score, scale, lo, hi, nt * 8 + e, ix)
+                            elif not by_key:
+                                modified_score(s, idx, score, scale, masked, ix)
                             mx[0] = T.max(mx[0], s[idx])
                 mx[0] = T.cuda.warp_max(mx[0], width=4)
                 row_exponents(s, m, l, alpha, mt, hh, ns, mx[0], raw, log2_scale, poly=poly_tiles)
@@ -588,10 +619,19 @@ def copy_row_stats(stats, slot, lse2, delta, b, h, q0, nrows, limit, tid, nthrea
                     4, T.Select(row < limit, T.uint32(4), T.uint32(0)))
 
 
+def key_bands(score, key, first, width: int, wanted: bool) -> list:
+    """[band of key, band of key + 8] (`offsets_in` of `ScorePipeline.key_band` from query
+    `first`), or [None, None] where not `wanted` or the masks form no band."""
+    bands = [score.key_band(key + kh * 8) if wanted else None for kh in range(2)]
+    return [None, None] if bands[0] is None else [offsets_in(band, first, width) for band in bands]
+
+
 @T.inline
 def transposed_probability(s, p, stats, slot, score, scale, b, h, q0, key0, lane, masked, gs, lse2, nt, hh, e,
-                           row, col, factored):
-    """One score of `transposed_probabilities` (row, col: its ScoreIndex.row / .col)."""
+                           row, col, factored, band=None):
+    """One score of `transposed_probabilities` (row, col: its ScoreIndex.row / .col; band:
+    the key's queries as offsets (lo, hi) from q0 + lane % 4 * 2, where its masks form one,
+    `ScorePipeline.key_band`)."""
     idx = T.meta_var(nt * 4 + hh * 2 + e)
     qc = T.meta_var(nt * 8 + lane % 4 * 2 + e)
     ix = T.meta_var(ScoreIndex(b, h, q0 + qc, key0 + lane // 4 + hh * 8, row, col=col))
@@ -603,6 +643,12 @@ def transposed_probability(s, p, stats, slot, score, scale, b, h, q0, key0, lane
         exp2_into(prob[0], score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - row_lse2)
         p[idx] = T.Cast(p.dtype, prob[0])
         s[idx] = prob[0] * score.grad(s[idx] * scale, ix)
+    elif masked and band is not None:
+        keep = T.meta_var(tirx.all(band[0] <= nt * 8 + e, nt * 8 + e < band[1]))
+        if score.changes_values:
+            exp2_into(s[idx], T.Select(keep, score(s[idx] * scale, ix, False) * T.float32(LOG2E), NEG_INF) - row_lse2)
+        else:
+            exp2_into(s[idx], T.Select(keep, s[idx] * (scale * T.float32(LOG2E)), NEG_INF) - row_lse2)
     elif masked or score.changes_values:
         exp2_into(s[idx], score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - row_lse2)
     else:
@@ -630,11 +676,14 @@ def transposed_probabilities(s, p, stats, slot, nq8, score, scale, b, h, q0, key
                     transposed_probability(s, p, stats, slot, score, scale, b, h, q0, key0, lane, masked, gs, lse2,
                                            nt, hh, e, query, pick_values(keys, hh), factored)
     else:
+        # masks that form a band (causal, window): each key's queries as two offsets, up front
+        bands = T.meta_var(key_bands(score, key0 + lane // 4, q0 + lane % 4 * 2, nq8 * 8,
+                                     masked and gs is None and not factored))
         for nt in T.unroll(nq8):
             for hh in T.unroll(2):
                 for e in T.unroll(2):
                     transposed_probability(s, p, stats, slot, score, scale, b, h, q0, key0, lane, masked, gs, lse2,
-                                           nt, hh, e, None, None, factored)
+                                           nt, hh, e, None, None, factored, pick_values(bands, hh))
 
 
 @T.inline

@@ -142,3 +142,44 @@ def test_alibi_bias_splits_into_row_and_key_terms_off_its_diagonal(lq, lk):
             split = side * (torch.arange(64)[None, :] - d[:, None])
             assert torch.equal(split, -dist.abs().double()), (q_lo, k0, side)
     assert sides == {-1, 0, 1}
+
+
+def test_band_masks_are_their_scores_masks():
+    """ScorePipeline.row_band / key_band (the CUDA kernels mask a tile's scores through them
+    where every mask is a band: two compares a score) keep exactly the pairs the pipeline's
+    elementwise masks and bounds keep, rows and keys past the ends included (empty bands)."""
+    from tvm import tirx
+    from tvm.sym.analyzer import Analyzer
+
+    from tvmflash.kernels.common import Shape
+    from tvmflash.kernels.score_mods import Causal, ScoreIndex, ScorePipeline, Window
+
+    class Args:  # the window's sizes as plain variables (no kernel being parsed)
+        @staticmethod
+        def scalar(name, dtype="float32"):
+            return tirx.Var(name, dtype)
+
+    shape = Shape.fresh()
+
+    def at(expr, values):  # expr with these variables' values, folded to an int
+        analyzer = Analyzer()
+        for var, value in values.items():
+            analyzer.bind(var, tirx.const(value, "int64"))
+        return int(analyzer.simplify(expr))
+    q, kv = tirx.Var("q", "int64"), tirx.Var("kv", "int64")
+    for mods in ([Causal("bottom_right")], [Causal("top_left")], [Window()], [Causal("bottom_right"), Window()]):
+        pipe = ScorePipeline(mods, Args(), shape)
+        window = next((m for m in pipe.mods if isinstance(m, Window)), None)
+        keep = pipe(tirx.const(1.0, "float32"), ScoreIndex(0, 0, q, kv)) > 0
+        forms = (keep, *pipe.row_band(q), *pipe.key_band(kv))
+        for lq, lk, (left, right) in [(5, 9, (2, 1)), (9, 5, (0, 0)), (7, 7, (16, 0)), (6, 8, (1, 3))]:
+            sizes = {shape.seqlen_q: lq, shape.seqlen_k: lk}
+            if window is not None:
+                sizes.update({window.left: left, window.right: right})
+            kept = {(i, j) for i in range(lq) for j in range(lk) if at(keep, {**sizes, q: i, kv: j})}
+            for i in range(lq + 2):
+                lo, hi = at(forms[1], {**sizes, q: i}), at(forms[2], {**sizes, q: i})
+                assert {j for j in range(-2, lk + 2) if lo <= j < hi} == {j for j in range(lk) if (i, j) in kept}
+            for j in range(lk + 2):
+                lo, hi = at(forms[3], {**sizes, kv: j}), at(forms[4], {**sizes, kv: j})
+                assert {i for i in range(-2, lq + 2) if lo <= i < hi} == {i for i in range(lq) if (i, j) in kept}

@@ -73,6 +73,7 @@ class ScoreMod:
     tiles it provably keeps whole (`tile_visible`)."""
 
     is_mask = False
+    band = False  # a mask whose kv_range of one query row is exactly the keys that row keeps
     unit_grad = True  # `grad` is the constant 1 (a backward needs no per-score factor)
     additive = False  # apply(score) is score + bias(ix, shape, 1)
     arg_names: tuple = ()  # the kernel arguments `bind` declares, in order
@@ -115,6 +116,7 @@ class Causal(ScoreMod):
 
     align: str  # "top_left" | "bottom_right"
     is_mask = True
+    band = True
 
     def offset(self, shape: Shape):
         return shape.seqlen_k - shape.seqlen_q if self.align == "bottom_right" else tirx.const(0, "int64")
@@ -176,6 +178,7 @@ class Window(ScoreMod):
     passes an unbounded side as Lq + Lk); blocks outside the window are skipped."""
 
     is_mask = True
+    band = True
     arg_names = ("window_left", "window_right")
 
     def bind(self, args, shape):
@@ -920,6 +923,24 @@ class ScorePipeline:
         if self.seqs is not None:
             return self.seqs.kv_range(q_lo, q_hi, ranges)
         return self._intersect(ranges(q_lo, q_hi, self.shape), self.shape.seqlen_k)
+
+    def row_band(self, q_idx):
+        """For a pipeline whose masks are all bands (causal, window) and bounds, without packed
+        sequences: the keys [lo, hi) query row q_idx keeps (empty past the last row), so that
+        a kernel can mask a tile's scores with two compares of small offsets a score; None for
+        other pipelines (masks that look scores up or compare other quantities)."""
+        if self.seqs is not None or not all(m.band for m in self.mods if m.is_mask):
+            return None
+        lo, hi = self.kv_range(q_idx, q_idx + 1)
+        return lo, tirx.Select(q_idx < self.shape.seqlen_q, hi, lo)
+
+    def key_band(self, kv_idx):
+        """row_band's transpose: the queries [lo, hi) that see key kv_idx (empty past the last
+        key), for a backward's S^T tiles; None where row_band is None."""
+        if self.seqs is not None or not all(m.band for m in self.mods if m.is_mask):
+            return None
+        lo, hi = self.q_range(kv_idx, kv_idx + 1)
+        return lo, tirx.Select(kv_idx < self.shape.seqlen_k, hi, lo)
 
     def q_range(self, kv_lo, kv_hi):
         """Queries [lo, hi) that can see keys [kv_lo, kv_hi)."""
