@@ -341,9 +341,10 @@ def band_offsets(score, index, mt, hh, first, width: int, wanted: bool):
     (`ScorePipeline.row_band`: causal, window and the bounds), the offsets o in [0, width)
     from key `first` that row hh of m-tile mt keeps are lo <= o < hi (int32, bound once a
     row). Masking a score then takes two compares with constants: the masks' own index
-    arithmetic, in int64 a score, made a diagonal tile cost ~3.4 unmasked ones (H200: 22
-    instructions a score more). (False, None, None) where there is no band or the index
-    moves keys (a sequence's coordinates)."""
+    arithmetic, in int64 a score, made a causal diagonal tile cost ~3.4 unmasked ones (H200:
+    22 instructions a score more; with the band, bf16 D=128 causal forwards 1.08x (16k) to
+    1.20x (1k) faster, window (1024, 0) 1.73x). (False, None, None) where there is no band or
+    the index moves keys (a sequence's coordinates)."""
     ix = index(mt, hh, first)
     band = score.row_band(ix.q_idx) if wanted and ix.kv_idx is first else None
     return (False, None, None) if band is None else (True, *offsets_in(band, first, width))
