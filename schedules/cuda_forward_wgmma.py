@@ -11,7 +11,6 @@ threads) owns 64 query rows. Q and rings of K and V tiles sit in shared memory i
     online softmax  on the accumulator registers (the mma.sync layout per warp)
     O += P V        wgmma m64n{D}k16, P from registers, V from shared memory (MN-major)
 wgmma is asynchronous: the softmax of tile j + 1 runs while the tensor cores do P_j V_j.
-A lone softcap in bf16 first multiplies Q in shared memory by tanh's factor (`query_prescale`).
 
 Two forms of the loop (knob `wgmma_producer`):
 - warp-specialized (FlashAttention-3's structure; two consumer warpgroups): a third warpgroup
@@ -85,26 +84,6 @@ def default_knobs(spec: AttentionSpec) -> dict:
 def warp_specialized(knobs: dict) -> bool:
     """Whether `knobs` make the warp-specialized loop (it needs two consumer warpgroups)."""
     return knobs["wgmma_producer"] == 1 and knobs["wgmma_warpgroups"] == 2
-
-
-def query_prescale(spec: AttentionSpec, score, scale):
-    """(prescaled, a, tile_scale): a lone softcap's forward (modified score c tanh(a s),
-    `ScorePipeline.squashed_values`) multiplies Q by a in shared memory once, so each score
-    comes out of the GEMM as tanh's argument: one multiply a score fewer in the MUFU-bound
-    softmax (H200, bf16 D=128 16k: 0.84x -> 0.89x of plain). The softmax then takes the cap as
-    its scale (masked tiles: c tanh((a s) c / c)). bf16 only: Q a, with a = scale / cap ~ 0.003,
-    falls into fp16's subnormals for small queries; bf16 has float32's range and rounds Q a
-    as it rounded Q."""
-    values = score.squashed_values(scale) if spec.dtype == "bfloat16" else None
-    return (False, None, scale) if values is None else (True, *values)
-
-
-@T.inline
-def scale_in_place(pool, count, factor, dtype, tid, nthreads):
-    """pool[0:count] *= factor, rounded to dtype, by nthreads threads (consecutive elements to
-    consecutive threads: no bank conflicts)."""
-    for i in T.serial(count // nthreads):
-        pool[i * nthreads + tid] = T.Cast(dtype, T.Cast(F32, pool[i * nthreads + tid]) * factor)
 
 
 def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
@@ -184,7 +163,6 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         alpha = T.alloc_local([2], F32)
         meta = T.alloc_buffer((meta_words,), "uint64", scope="shared", align=1024)
         bars, listed_k0 = T.meta_var((meta, meta.view("int32")))  # mbarriers | staged tile list
-        prescaled, q_factor, tile_scale = T.meta_var(query_prescale(spec, tscore, scale))
         if q0 < lq:  # a packed tile between two sequences' tiles has no rows
             if tscore.row_values > 0:
                 load_row_values(rowv, tscore, 1, bs, h, q0 + row0, lane)
@@ -216,11 +194,11 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                 # online softmax of the finished S tile (masks and bounds only where needed)
                 full = T.meta_var(None if walk.first_full is None else j >= walk_regs[1])
                 if tscore.tile_unmasked(q0, T.min(q0 + BM, lq), k0, k0 + BN, TileAt(bs, h, (BM, BN)), full):
-                    unmasked_softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, tile_scale, index, k0, k0 + BN, q0,
+                    unmasked_softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, scale, index, k0, k0 + BN, q0,
                                           T.min(q0 + BM, lq), kt, lane, fold_scale=True, interleave=WS,
-                                          poly=knobs["wgmma_poly_exp2"], prescaled=prescaled)
+                                          poly=knobs["wgmma_poly_exp2"])
                 else:
-                    softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, tile_scale, index, k0, lane, True)
+                    softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, scale, index, k0, lane, True)
                 if score.dropout is not None:  # l has the undropped P; O takes P Z
                     dropout_rows(s, score.dropout, 1, NS, b, h, q0 + row0, k0, lane, False)
 
@@ -330,10 +308,6 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                         T.ptx["bar.arrive"](T.uint32(1), T.uint32(NC))
                     if n > 0:
                         wait_full(0)
-                        if prescaled:  # the consumers scale Q (tile 0's barrier covers its copy)
-                            scale_in_place(pool, BM * D, q_factor, dt, tid, NC)
-                            T.ptx.fence.proxy.async_.shared__cta()
-                            T.ptx["bar.sync"](T.uint32(3), T.uint32(NC))
                         take_turn()
                         issue_s(0)
                         pass_turn()
@@ -387,10 +361,6 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                     T.ptx["cp.async.wait_group"](0)
                     T.ptx.fence.proxy.async_.shared__cta()
                     T.cuda.cta_sync()
-                    if prescaled:
-                        scale_in_place(pool, BM * D, q_factor, dt, tid, NT)
-                        T.ptx.fence.proxy.async_.shared__cta()
-                        T.cuda.cta_sync()
                     issue_s(0)
                     softmax_next(0, 0, walk.k0(0))
                     to_a_fragments(s, p, NS * 4)

@@ -403,21 +403,17 @@ def row_exponents(s, m, l, alpha, mt, hh, ns, mx, raw, log2_scale, row_term=None
             l[mt * 2 + hh] = l[mt * 2 + hh] + s[idx]
 
 
-def raw_values(score, scale, unmasked: bool, prescaled: bool = False):
+def raw_values(score, scale, unmasked: bool):
     """(squashed, a, factor) for softmax_tile: on an unmasked tile of a pipeline whose only value
-    modifier is a softcap (`ScorePipeline.squashed_values`), squashed with tanh's factor a (1,
-    which the compiler folds away, where the kernel `prescaled` Q by a: the scores are a s
-    already) and the cap as the factor of the kept values; else (False, None, scale)."""
+    modifier is a softcap (`ScorePipeline.squashed_values`), squashed with tanh's factor a and
+    the cap as the factor of the kept values; else (False, None, scale)."""
     values = score.squashed_values(scale) if unmasked else None
-    if values is None:
-        return (False, None, scale)
-    inner, cap = values
-    return (True, 1.0 if prescaled else inner, cap)
+    return (False, None, scale) if values is None else (True, *values)
 
 
 @T.inline
 def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, masked, fold_scale=False, interleave=False,
-                 poly=0, prescaled=False):
+                 poly=0):
     """One K/V tile of the forward's online softmax on accumulator fragments: n_mt m-tiles of
     16 rows, ns n8 tiles of scores S (k0: the tile's first key). Scores go to the exp2 domain;
     m is the running max and l this lane's partial row sum (two rows per m-tile: g and g + 8,
@@ -428,9 +424,7 @@ def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, ma
     side (mx: 2 registers), for a warp that runs its softmax alone on its scheduler (the
     warp-specialized forward: 4-5% faster there; 1-5% slower in lockstep, where the other
     warpgroup's softmax hides the latency). `poly`: eighths of a squashed (softcap) tile's
-    exponents that take `poly_exp2_into` (tanh and exp2 both on MUFU bound it). `prescaled`:
-    the kernel multiplied Q by the softcap's a (`squashed_values`) and passes the cap as
-    `scale`: a squashed tile takes tanh of its scores as they are."""
+    exponents that take `poly_exp2_into` (tanh and exp2 both on MUFU bound it)."""
     by_key = T.meta_var(score.col_values > 0 and (masked or score.changes_values))
     # With `fold_scale`, scores a tile leaves unmodified stay raw: their row max is taken first
     # and scaled once, then each exponent is one multiply-add (s * scale log2 e - max). Scaling
@@ -439,7 +433,7 @@ def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, ma
     # m-tiles a warp, ran 4-20% slower with it on the H100: it keeps the scaled scores.)
     # A softcap alone (`squashed_values`: modified = c tanh(a s)) keeps tanh(a s) and goes the
     # raw way with c in place of the scale: 6 instructions a score, not 9.
-    squashed, inner, factor = T.meta_var(raw_values(score, scale, fold_scale and not masked, prescaled))
+    squashed, inner, factor = T.meta_var(raw_values(score, scale, fold_scale and not masked))
     raw = T.meta_var(fold_scale and not masked and (not score.changes_values or squashed))
     log2_scale = T.meta_var(factor * T.float32(LOG2E))  # factor: what the kept values are scaled by
     poly_tiles = T.meta_var(poly if squashed else 0)
@@ -547,7 +541,7 @@ def split_bias_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, kt, s
 
 @T.inline
 def unmasked_softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, kv_hi, q_lo, q_hi, kt, lane,
-                          fold_scale=False, interleave=False, poly=0, prescaled=False):
+                          fold_scale=False, interleave=False, poly=0):
     """softmax_tile for a tile [q_lo, q_hi) x [k0, kv_hi) that `tile_unmasked` proved whole:
     `split_bias_tile` where the bias splits there (kt: `load_key_terms`'s registers)."""
     side = T.meta_var(score.bias_side(q_lo, q_hi, k0, kv_hi))
@@ -556,8 +550,7 @@ def unmasked_softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0,
     elif side == -1:
         split_bias_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, kt, -1, interleave)
     else:
-        softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, False, fold_scale, interleave, poly,
-                     prescaled)
+        softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, False, fold_scale, interleave, poly)
 
 
 @T.inline
