@@ -269,21 +269,23 @@ def test_cuda_softmax_scale_of_either_sign(d, scale):
 
 @needs_gpu
 @pytest.mark.parametrize("scale", [-0.2, 0.05])
-def test_cuda_softcap_under_a_scale_of_either_sign(scale):
+@pytest.mark.parametrize("dtype,d,causal", [(torch.float16, 64, True), (torch.bfloat16, 128, False)], ids=str)
+def test_cuda_softcap_under_a_scale_of_either_sign(scale, dtype, d, causal):
     """A lone softcap on the wgmma forward keeps tanh(scale s / cap) of unmasked tiles and
     scales by the cap after their max (`cuda_mma.raw_values`): a negative softmax_scale flips
-    tanh's argument, not the max."""
+    tanh's argument, not the max (both wgmma loops: lockstep at D=64, warp-specialized at 128)."""
     from test_attention import check_against_reference
 
     g = torch.Generator(device="cuda").manual_seed(3)
-    q, dout = (torch.randn(2, 4, 203, 64, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
-    k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+    q, dout = (torch.randn(2, 4, 203, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, 4, 300, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
 
     def run(qh, kh, vh):
         out, lse, _ = tvmflash.flash_attn_func(*(x.transpose(1, 2) for x in (qh, kh, vh)), softmax_scale=scale,
-                                               causal=True, softcap=4.0, return_attn_probs=True)
+                                               causal=causal, softcap=4.0, return_attn_probs=True)
         return out.transpose(1, 2), lse
-    check_against_reference(q, k, v, dout, run, causal="bottom_right", scale=scale, softcap=4.0)
+    check_against_reference(q, k, v, dout, run, causal="bottom_right" if causal else "none", scale=scale,
+                            softcap=4.0)
 
 
 @needs_gpu

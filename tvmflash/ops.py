@@ -241,10 +241,11 @@ def _forward_kernel_name(kern: dict, q: torch.Tensor, k: torch.Tensor, window: t
 # right) walks a few K/V tiles a q-block: the lockstep wgmma forward ("forward_short", in
 # windowed modules beside the warp-specialized one) runs it, its CTAs start sooner (no mbarrier
 # rings, no register hand-over). Crossovers measured on the H200 (scripts/variants_bench.py's
-# "window walks", bf16 D=128, 16k): windows (w, w) lockstep 1.29x faster at 128 keys, 1.10x at
-# 1024, 1.04x at 1536, 1.01-1.02x at 2048; causal windows (w, 0) 1.11x at 128, 1.05x at 256,
-# 1.02x at 384, 0.99x at 512, 0.93x at 2048.
-SHORT_WALK_KEYS = 1536
+# "window walks", bf16 D=128, 16k; since masked tiles take their band in two compares a score,
+# `cuda_mma.band_offsets`): windows (w, w) lockstep 1.04-1.05x faster at 128 and 256 keys, 1.00x
+# at 512, 0.96x at 768, 0.90x at 1536; causal windows (w, 0) 1.10x at 128, 1.05x at 256, 1.03x at
+# 384, 1.00x at 512, 0.91x at 2048. (Before the band: lockstep ahead up to 1536 keys.)
+SHORT_WALK_KEYS = 512
 SHORT_CAUSAL_WALK_KEYS = 384
 
 
