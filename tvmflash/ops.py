@@ -242,9 +242,10 @@ def _forward_kernel_name(kern: dict, q: torch.Tensor, k: torch.Tensor, window: t
 # windowed modules beside the warp-specialized one) runs it, its CTAs start sooner (no mbarrier
 # rings, no register hand-over). Crossovers measured on the H200 (scripts/variants_bench.py's
 # "window walks", bf16 D=128, 16k; since masked tiles take their band in two compares a score,
-# `cuda_mma.band_offsets`): windows (w, w) lockstep 1.04-1.05x faster at 128 and 256 keys, 1.00x
-# at 512, 0.96x at 768, 0.90x at 1536; causal windows (w, 0) 1.10x at 128, 1.05x at 256, 1.03x at
-# 384, 1.00x at 512, 0.91x at 2048. (Before the band: lockstep ahead up to 1536 keys.)
+# `cuda_mma.band_offsets`; benchmarks/results/cuda-h200-variants.json): windows (w, w) lockstep
+# 1.04-1.06x faster at 128 and 256 keys, 1.00x at 512, 0.96x at 768, 0.90x at 1536; causal
+# windows (w, 0) 1.11x at 128, 1.06x at 256, 1.03x at 384, 1.00x at 512, 0.91x at 2048.
+# (Before the band: lockstep ahead up to 1536 keys.)
 SHORT_WALK_KEYS = 512
 SHORT_CAUSAL_WALK_KEYS = 384
 

@@ -929,7 +929,7 @@ class ScorePipeline:
         sequences: the keys [lo, hi) query row q_idx keeps (empty past the last row), so that
         a kernel can mask a tile's scores with two compares of small offsets a score; None for
         other pipelines (masks that look scores up or compare other quantities)."""
-        if self.seqs is not None or not all(m.band for m in self.mods if m.is_mask):
+        if not self._bands_only:
             return None
         lo, hi = self.kv_range(q_idx, q_idx + 1)
         return lo, tirx.Select(q_idx < self.shape.seqlen_q, hi, lo)
@@ -937,10 +937,15 @@ class ScorePipeline:
     def key_band(self, kv_idx):
         """row_band's transpose: the queries [lo, hi) that see key kv_idx (empty past the last
         key), for a backward's S^T tiles; None where row_band is None."""
-        if self.seqs is not None or not all(m.band for m in self.mods if m.is_mask):
+        if not self._bands_only:
             return None
         lo, hi = self.q_range(kv_idx, kv_idx + 1)
         return lo, tirx.Select(kv_idx < self.shape.seqlen_k, hi, lo)
+
+    @property
+    def _bands_only(self) -> bool:
+        """Whether every mask is a band (row_band, key_band) and no packed sequences move indices."""
+        return self.seqs is None and all(m.band for m in self.mods if m.is_mask)
 
     def q_range(self, kv_lo, kv_hi):
         """Queries [lo, hi) that can see keys [kv_lo, kv_hi)."""
