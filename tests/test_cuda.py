@@ -44,6 +44,29 @@ def test_cuda_module_builds_with_cubin(spec, tmp_path):
     assert b"cubin" in data and b"__global__" not in data, "module carries CUDA source, not a binary"
 
 
+@needs_compiler
+@pytest.mark.parametrize("width", [64, 128, 256])
+def test_swizzled_rows_keep_copies_in_one_line_and_ldmatrix_free_of_conflicts(width):
+    """SwizzledRows (the decode kernel's shared-memory tiles): each row holds every element
+    once; a copy's eight 16-byte chunks of one 128-byte run of a row fill one 128-byte line
+    (the property that keeps cp.async's global requests whole); ldmatrix's eight rows of one
+    chunk fall in eight different bank groups."""
+    from tvmflash.schedules.cuda_mma import SwizzledRows
+
+    def where(r, c):  # the flat element offset of [r, c]
+        return r * width + SwizzledRows.column(r, c)
+
+    for r in range(16):
+        assert sorted(where(r, c) - r * width for c in range(width)) == list(range(width))
+        for run in range(width // 64):
+            lines = {where(r, run * 64 + k * 8) // 64 for k in range(8)}
+            assert lines == {(r * width + run * 64) // 64}
+    for r0 in (0, 8):
+        for c in range(0, width, 8):
+            assert len({where(r0 + i, c) // 8 % 8 for i in range(8)}) == 8  # 16-byte bank groups
+    assert not SwizzledRows.fits(96)
+
+
 @needs_nvcc
 @pytest.mark.parametrize("warps,block_n", [(1, 32), (2, 64)])
 def test_cuda_decode_kernel_builds_for_other_warp_counts(warps, block_n):
@@ -644,8 +667,9 @@ def test_cuda_varlen(dtype, d, causal, window, alibi, dropout_p, lengths_q, leng
 
 
 # flash_attn_with_kvcache reading the cache in place: (dtype, head dim, (heads, kv heads), softcap, alibi)
+# fp16 d128: the record with the most shared memory; bf16 d96: padded shared-memory rows (the others swizzled)
 CUDA_KVCACHE = [(torch.bfloat16, 128, (8, 2), 0.0, False), (torch.float16, 64, (4, 4), 30.0, True),
-                (torch.float16, 128, (6, 1), 0.0, False)]  # fp16 d128: the record with the most shared memory
+                (torch.float16, 128, (6, 1), 0.0, False), (torch.bfloat16, 96, (4, 2), 0.0, False)]
 
 
 def cuda_kvcache_specs() -> list:

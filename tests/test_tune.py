@@ -84,9 +84,11 @@ def test_decode_candidates_and_records():
     cands = tune.candidates(AttentionSpec("bfloat16", 128, kv_cache=True), "decode")
     assert cands and all(set(c) == {"decode_block_n", "decode_warps", "decode_stages", "decode_l2_prefetch"}
                          for c in cands)
-    assert all((16 + 2 * c["decode_stages"] * c["decode_block_n"]) * (128 + 8) * 2 <= tune.SMEM_LIMIT for c in cands)
+    # head dim 128: unpadded (swizzled) shared-memory rows of 256 bytes, Q's 16 rows and the K/V ring
+    assert all((16 + 2 * c["decode_stages"] * c["decode_block_n"]) * 128 * 2 <= tune.SMEM_LIMIT for c in cands)
     assert all(c["decode_block_n"] % (16 * c["decode_warps"]) == 0 for c in cands)  # 16-key slices per warp
-    assert {c["decode_warps"] for c in cands} == {1, 2, 4}
+    assert {c["decode_warps"] for c in cands} == {1, 2, 4, 8}
+    assert {c["decode_l2_prefetch"] for c in cands} == {0}  # 256 only added L2 traffic (cuda_decode.py)
     full = tune.grid(AttentionSpec("bfloat16", 128, kv_cache=True), "decode", "cuda")
     assert {c["decode_ctas_per_sm"] for c in full if c["decode_warps"] == 4} == {1, 2, 3}
     # a causal / windowed decode spec takes the plain decode record (tuning_logs/cuda/ has it)
