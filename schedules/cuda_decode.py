@@ -54,6 +54,12 @@ from .cuda_mma import (CP_ASYNC, LN2, PAD, SwizzledRows, copy_tile, load_a, load
 DEFAULTS = {"decode_block_n": 32, "decode_warps": 1, "decode_stages": 3, "decode_l2_prefetch": 0}
 
 
+def row_width(head_dim: int) -> int:
+    """Elements a shared-memory row of the kernel's tiles takes: swizzled rows (`SwizzledRows`)
+    where the head dim allows, else padded ones."""
+    return head_dim if SwizzledRows.fits(head_dim) else head_dim + PAD
+
+
 def supports(spec: AttentionSpec) -> bool:
     """Specs the decode kernel computes: 16-bit, head dims that are multiples of 16, the
     modifiers of flash_attn_with_kvcache (no masks, dropout, flex or packed sequences)."""
@@ -154,8 +160,7 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     BW = BN // W  # keys of a tile each warp takes
     NS, ND = BW // 8, D // 8
     K_ROW, V_ROW = ROWS, ROWS + ST * BN
-    SWIZZLE = SwizzledRows.fits(D)
-    WIDTH = D if SWIZZLE else D + PAD
+    WIDTH = row_width(D)
     SCOPE = smem_scope((ROWS + 2 * ST * BN) * WIDTH * 2)
 
     shape = Shape.fresh()
@@ -179,7 +184,7 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         split = T.meta_var(T.Cast("int64", bx) % S)
         r0 = T.meta_var(T.Cast("int64", bx) // S * ROWS)  # the block's first row of the kv-head's G * Lq
         pool_rows = T.alloc_buffer((ROWS + 2 * ST * BN, WIDTH), dt, scope=SCOPE, align=128)
-        pool = T.meta_var(SwizzledRows(pool_rows) if SWIZZLE else pool_rows)
+        pool = T.meta_var(SwizzledRows(pool_rows) if WIDTH == D else pool_rows)
         qf = T.alloc_local([D // 16 * 4], "uint32")
         kb = T.alloc_local([4], "uint32")
         vb = T.alloc_local([4], "uint32")

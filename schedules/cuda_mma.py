@@ -645,6 +645,14 @@ def copy_row_stats(stats, slot, lse2, delta, b, h, q0, nrows, limit, tid, nthrea
                     4, T.Select(row < limit, T.uint32(4), T.uint32(0)))
 
 
+def unmasked_exponent(raw, score, scale, ix):
+    """A raw score's exp2-domain value where no mask applies: its value modifiers (if any) on
+    the scaled score, times log2 e."""
+    if score.changes_values:
+        return score(raw * scale, ix, False) * T.float32(LOG2E)
+    return raw * (scale * T.float32(LOG2E))
+
+
 def key_bands(score, key, first, width: int, wanted: bool) -> list:
     """[band of key, band of key + 8] (`offsets_in` of `ScorePipeline.key_band` from query
     `first`), or [None, None] where not `wanted` or the masks form no band."""
@@ -671,14 +679,11 @@ def transposed_probability(s, p, stats, slot, score, scale, b, h, q0, key0, lane
         s[idx] = prob[0] * score.grad(s[idx] * scale, ix)
     elif masked and band is not None:
         keep = T.meta_var(tirx.all(band[0] <= nt * 8 + e, nt * 8 + e < band[1]))
-        if score.changes_values:
-            exp2_into(s[idx], T.Select(keep, score(s[idx] * scale, ix, False) * T.float32(LOG2E), NEG_INF) - row_lse2)
-        else:
-            exp2_into(s[idx], T.Select(keep, s[idx] * (scale * T.float32(LOG2E)), NEG_INF) - row_lse2)
-    elif masked or score.changes_values:
-        exp2_into(s[idx], score(s[idx] * scale, ix, masked) * T.float32(LOG2E) - row_lse2)
+        exp2_into(s[idx], T.Select(keep, unmasked_exponent(s[idx], score, scale, ix), NEG_INF) - row_lse2)
+    elif masked:
+        exp2_into(s[idx], score(s[idx] * scale, ix, True) * T.float32(LOG2E) - row_lse2)
     else:
-        exp2_into(s[idx], s[idx] * (scale * T.float32(LOG2E)) - row_lse2)
+        exp2_into(s[idx], unmasked_exponent(s[idx], score, scale, ix) - row_lse2)
     if not factored:
         p[idx] = T.Cast(p.dtype, s[idx])
 

@@ -64,11 +64,11 @@ def candidates(spec: AttentionSpec, phase: str = "forward", arch: str = "sm_90a"
     out = []
     d = spec.head_dim
     if phase == "decode":  # one-warp CTAs on small tiles, or CTAs of 2-8 warps on 64-128 keys
-        from .schedules.cuda_mma import SwizzledRows
+        from .schedules.cuda_decode import row_width
 
         shapes = [(1, 16), (1, 32), (1, 64), (2, 64), (2, 128), (4, 64), (4, 128), (8, 128)]  # (warps, block_n)
         merge_bytes = 16 * (d + 2) * 4  # the warps' rows merged in shared memory
-        decode_row_bytes = d * 2 if SwizzledRows.fits(d) else row_bytes
+        decode_row_bytes = row_width(d) * 2
         return [{"decode_warps": w, "decode_block_n": bn, "decode_stages": st, "decode_l2_prefetch": 0}
                 for (w, bn), st in itertools.product(shapes, (2, 3))
                 if (16 + 2 * st * bn) * decode_row_bytes + merge_bytes <= SMEM_LIMIT]
