@@ -19,14 +19,16 @@ rows swizzled where the head dim allows, `SwizzledRows`: with padded rows the co
 traffic was 1.5x the bytes read and the kernel L2-bound at 0.92-0.95x cuDNN's speed on the
 H200, swizzled it reads the cache at cuDNN's 4.4 TB/s);
 each warp takes an equal slice of a tile's keys, with its own online softmax (S and O on
-`mma.sync` as in cuda_forward.py), and the warps' rows are merged in shared memory at the
-end. Why several warps (measured on the H100, B=16 Hk=8 D=128 bf16, 64k keys): one-warp CTAs,
+`mma.sync` as in cuda_forward.py), and the warps' rows are combined through shared memory
+(the spent K/V ring) at the end (`combine_warps`). Why several warps (measured on the H100, B=16 Hk=8 D=128 bf16, 64k keys): one-warp CTAs,
 3-4 an SM each on its own range of keys, read the cache at 2.90-2.92 TB/s; one CTA of four
 warps per (batch, kv-head), 128 keys a tile, at 2.98 (cuDNN's kernel, the same shape of CTA
 on a dense cache: 3.14). Each split writes its rows' O / l and lse (fp32); the last split of
 a row block to finish (an atomic count per row block in `split_counters`, which it resets)
 merges them by lse (`merge_splits`), and a single split writes the outputs itself: one
-launch a call.
+launch a call. The epilogue is loops, not unrolled copies: unrolled, its stores and index
+arithmetic made the kernel 12.5k instructions, and at 256 keys a quarter of the stall samples
+were instruction-cache misses (4.1k now; 3-4 us less a call on the H200).
 
 Knobs (`DEFAULTS`):
     decode_block_n     keys per K/V tile (a multiple of 16 x decode_warps)
@@ -38,6 +40,8 @@ Knobs (`DEFAULTS`):
 that many CTAs per SM)
 """
 from __future__ import annotations
+
+import functools
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -67,84 +71,88 @@ def supports(spec: AttentionSpec) -> bool:
             and not spec.flex and set(spec.variants) <= {"softcap", "alibi", "window"})
 
 
+def sum_over(n, term):
+    """term(0) + ... + term(n - 1), as one expression."""
+    return functools.reduce(lambda x, y: x + y, (term(i) for i in range(n)))
+
+
 @T.inline
-def merge_warps(o, m, l, alpha, stats, merged, warp, lane, W, ND):
-    """The online-softmax rows of W warps (each over its own keys) into warp 0's o, m, l: the
-    rows' maximum over the warps, then each warp's O rows scaled to it and added in turn to
-    `merged` (ROWS x D in shared memory)."""
-    for hh in T.unroll(2):
-        if lane % 4 == 0:
-            stats[warp, lane // 4 + hh * 8, 0] = m[hh]
-            stats[warp, lane // 4 + hh * 8, 1] = l[hh]
-    T.cuda.cta_sync()
-    for hh in T.unroll(2):
-        r = T.meta_var(lane // 4 + hh * 8)
-        alpha[hh] = m[hh]
-        for w in T.unroll(W):
-            alpha[hh] = T.max(alpha[hh], stats[w, r, 0])
-        m[hh] = alpha[hh]  # the rows' maximum, then this warp's factor exp2(m_warp - max)
-        l[hh] = T.float32(0)
-        for w in T.unroll(W):
-            l[hh] = l[hh] + stats[w, r, 1] * T.exp2(stats[w, r, 0] - m[hh])
-        alpha[hh] = T.exp2(stats[warp, r, 0] - m[hh])
-    for w in T.unroll(W):
-        if warp == w:
-            for dd in T.unroll(ND):
-                for i in T.unroll(4):
-                    r = T.meta_var(lane // 4 + i // 2 * 8)
-                    c = T.meta_var(dd * 8 + lane % 4 * 2 + i % 2)
-                    if w == 0:
-                        merged[r, c] = o[dd * 4 + i] * alpha[i // 2]
+def combine_warps(part, stats, top, ids, O_PART, LSE_PART, O, LSE, b, head, qi, split, r0, rows, S, tid, NT, W, D,
+                  dt):
+    """The CTA's rows from its W warps' online-softmax rows (unnormalised O in `part`, a flat
+    (W, ROWS, D) fp32 view, each warp's row max (log2 units) and sum in `stats`): the rows'
+    maximum over the warps, each warp's O scaled to it and summed, divided by the row sum,
+    written as this split's O / lse (a single split: the outputs). A row at a time, the
+    threads over its columns: coalesced stores, and no copy of the code per row (the
+    epilogue's cost was its code: at 256 keys a quarter of the stall samples were
+    instruction-cache misses in 5k instructions of unrolled stores and index arithmetic)."""
+    for r in T.serial(ROWS):
+        if r0 + r < rows:
+            ids[0] = head(r)
+            ids[1] = qi(r)
+            top[0] = stats[0, r, 0]
+            for w in T.unroll(1, W):
+                top[0] = T.max(top[0], stats[w, r, 0])
+            top[1] = sum_over(W, lambda w: stats[w, r, 1] * T.exp2(stats[w, r, 0] - top[0]))
+            for k in T.unroll((D + NT - 1) // NT):
+                c = T.meta_var(tid + k * NT)
+                if D % NT == 0 or c < D:
+                    value = T.meta_var(sum_over(W, lambda w: part[(w * ROWS + r) * D + c] * T.exp2(stats[w, r, 0] - top[0]))
+                                       * row_reciprocal(top[1]))
+                    if S == 1:
+                        O[b, ids[0], ids[1], c] = T.Cast(dt, value)
                     else:
-                        merged[r, c] = merged[r, c] + o[dd * 4 + i] * alpha[i // 2]
-        T.cuda.cta_sync()
-    for dd in T.unroll(ND):
-        for i in T.unroll(4):
-            o[dd * 4 + i] = merged[lane // 4 + i // 2 * 8, dd * 8 + lane % 4 * 2 + i % 2]
+                        O_PART[b, ids[0], split, ids[1], c] = value
+            if tid == 0:
+                lse = T.meta_var(T.Select(top[1] == T.float32(0), NEG_INF, top[0] * T.float32(LN2) + T.log(top[1])))
+                if S == 1:
+                    LSE[b, ids[0], ids[1]] = lse
+                else:
+                    LSE_PART[b, ids[0], split, ids[1]] = lse
 
 
 @T.inline
-def merge_splits(O_PART, LSE_PART, O, LSE, b, head, qi, r0, rows, S, warp, lane, W, D, dt):
+def merge_splits(O_PART, LSE_PART, O, LSE, top, ids, b, head, qi, r0, rows, S, warp, lane, W, D, dt):
     """O and lse of a row block's rows from its splits' partials: lse = log sum_s exp(lse_s),
     O = sum_s exp(lse_s - lse) O_s; a row no split saw gets O = 0, lse = -inf (the running max
     starts finite, so such splits weigh exp(-inf) = 0). A warp per row: its lanes reduce the
     splits' lse, then add the splits' O rows along the head dim, four splits a step (their
     loads in flight together: one split at a time waited on a load per split)."""
     NC = T.meta_var((D + 31) // 32)  # head-dim columns a lane adds
-    top = T.alloc_local([2], F32)  # the row's largest lse, the sum of the splits' weights
     weight = T.alloc_local([4], F32)
     acc = T.alloc_local([NC], F32)
     for rr in T.serial((ROWS + W - 1) // W):
         r = T.meta_var(rr * W + warp)
         if r < ROWS and r0 + r < rows:
+            ids[0] = head(r)
+            ids[1] = qi(r)
+            lse_of = T.meta_var(lambda s: LSE_PART[b, ids[0], s, ids[1]])
             top[0] = T.min_value(F32)
             for kk in T.serial((S + 31) // 32):
                 if kk * 32 + lane < S:
-                    top[0] = T.max(top[0], LSE_PART[b, head(r), kk * 32 + lane, qi(r)])
+                    top[0] = T.max(top[0], lse_of(kk * 32 + lane))
             top[0] = T.cuda.warp_max(top[0])
             top[1] = T.float32(0)
             for kk in T.serial((S + 31) // 32):
                 if kk * 32 + lane < S:
-                    top[1] = top[1] + T.exp(LSE_PART[b, head(r), kk * 32 + lane, qi(r)] - top[0])
+                    top[1] = top[1] + T.exp(lse_of(kk * 32 + lane) - top[0])
             top[1] = T.cuda.warp_sum(top[1])
             for c in T.unroll(NC):
                 acc[c] = T.float32(0)
             for k4 in T.serial((S + 3) // 4):
                 for u in T.unroll(4):
-                    weight[u] = T.float32(0)
-                    if k4 * 4 + u < S:
-                        weight[u] = T.exp(LSE_PART[b, head(r), k4 * 4 + u, qi(r)] - top[0])
+                    weight[u] = T.Select(k4 * 4 + u < S, T.exp(lse_of(T.min(k4 * 4 + u, S - 1)) - top[0]),
+                                         T.float32(0))
                 for u in T.unroll(4):
-                    if k4 * 4 + u < S:
-                        for c in T.unroll(NC):
-                            if D % 32 == 0 or lane + c * 32 < D:
-                                acc[c] = acc[c] + weight[u] * O_PART[b, head(r), k4 * 4 + u, qi(r), lane + c * 32]
+                    for c in T.unroll(NC):
+                        if D % 32 == 0 or lane + c * 32 < D:
+                            acc[c] = acc[c] + weight[u] * O_PART[b, ids[0], T.min(k4 * 4 + u, S - 1), ids[1],
+                                                                 lane + c * 32]
             for c in T.unroll(NC):
                 if D % 32 == 0 or lane + c * 32 < D:
-                    O[b, head(r), qi(r), lane + c * 32] = T.Cast(
-                        dt, T.Select(top[1] == T.float32(0), T.float32(0), acc[c] / top[1]))
+                    O[b, ids[0], ids[1], lane + c * 32] = T.Cast(dt, acc[c] * row_reciprocal(top[1]))
             if lane == 0:
-                LSE[b, head(r), qi(r)] = T.Select(top[1] == T.float32(0), NEG_INF, top[0] + T.log(top[1]))
+                LSE[b, ids[0], ids[1]] = T.Select(top[1] == T.float32(0), NEG_INF, top[0] + T.log(top[1]))
 
 
 def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
@@ -162,6 +170,7 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     K_ROW, V_ROW = ROWS, ROWS + ST * BN
     WIDTH = row_width(D)
     SCOPE = smem_scope((ROWS + 2 * ST * BN) * WIDTH * 2)
+    assert W * ROWS * D * 4 <= (ROWS + 2 * ST * BN) * WIDTH * 2  # the warps' O rows fit in the pool
 
     shape = Shape.fresh()
     B, H, HK, LQ = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q
@@ -198,9 +207,12 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         key = T.alloc_local([2], "int64")  # the sequence's first cache position, its key count
         where = T.alloc_local([BN // PAGE_ALIGN * 2], "int32")  # the next tile to fetch: (page, row) per page run
         tiles = T.alloc_local([2], "int64")  # this split's first tile and tile count
-        # the warps' rows merged at the end (W > 1): each warp's max and sum, the scaled O rows
+        # the warps' rows combined at the end: each warp's row max and sum, its O rows in the
+        # pool (fp32)
         stats = T.alloc_buffer((W, ROWS, 2), F32, scope="shared")
-        merged = T.alloc_buffer((ROWS, D) if W > 1 else (1, 1), F32, scope="shared")
+        part = pool_rows.view(F32).view(-1)
+        top = T.alloc_local([2], F32)  # a row's max and sum
+        ids = T.alloc_local([2], "int64")  # a row's query head and query
         ticket = T.alloc_buffer((1,), "int32", scope="shared")  # splits of this row block done before
         pw = p.view("uint32")
         key[0] = cache.start(b)
@@ -284,40 +296,33 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                     load_b_trans(vb, 0, pool, V_ROW + row0 + kk * 16, dd * 16, lane)
                     mma_16x16(MMA, o, dd * 8, pw, kk * 4, vb, 0)
             T.cuda.cta_sync()  # the next iteration refills a buffer read here
+        # the warps' rows through shared memory: the pool's tiles are spent (and no copy may
+        # still land there when a split had no tiles)
+        T.ptx["cp.async.wait_group"](0)
+        T.cuda.cta_sync()
         for hh in T.unroll(2):
             l[hh] = T.cuda.warp_sum(l[hh], width=4)
-        if W > 1:
-            merge_warps(o, m, l, alpha, stats, merged, warp, lane, W, ND)
-        # this split's O / l and lse (a single split: the outputs); rows that saw no key: O = 0,
-        # lse = -inf
-        for hh in T.unroll(2):
-            r = T.meta_var(lane // 4 + hh * 8)
-            if warp == 0 and r0 + r < G * LQ:
-                for dd in T.unroll(ND):
-                    for e in T.unroll(2):
-                        value = T.meta_var(o[dd * 4 + hh * 2 + e] * row_reciprocal(l[hh]))
-                        if S == 1:
-                            O_FINAL[b, head(r), qi(r), dd * 8 + lane % 4 * 2 + e] = T.Cast(dt, value)
-                        else:
-                            O[b, head(r), split, qi(r), dd * 8 + lane % 4 * 2 + e] = value
-                if lane % 4 == 0:
-                    value = T.meta_var(T.Select(l[hh] == T.float32(0), NEG_INF, m[hh] * T.float32(LN2) + T.log(l[hh])))
-                    if S == 1:
-                        LSE_FINAL[b, head(r), qi(r)] = value
-                    else:
-                        LSE[b, head(r), split, qi(r)] = value
+            if lane % 4 == 0:
+                stats[warp, lane // 4 + hh * 8, 0] = m[hh]
+                stats[warp, lane // 4 + hh * 8, 1] = l[hh]
+        for dd in T.unroll(ND):
+            for i in T.unroll(4):
+                part[(warp * ROWS + lane // 4 + i // 2 * 8) * D + dd * 8 + lane % 4 * 2 + i % 2] = o[dd * 4 + i]
+        T.cuda.cta_sync()
+        combine_warps(part, stats, top, ids, O, LSE, O_FINAL, LSE_FINAL, b, head, qi, split, r0, G * LQ, S, tid, W * 32,
+                      W, D, dt)
         if S > 1:
-            # the row block's last split to finish merges the partials (no combine launch): its
-            # writes fenced before the count, the count observed before the reads
+            # the row block's last split to finish merges the partials (no combine launch): the
+            # CTA's writes ordered before its count by the barrier and thread 0's release, the
+            # count's acquire before the reads (one fence a CTA: a fence in every thread waited
+            # for each thread's stores)
             slot = T.meta_var(T.Cast("int64", by) * NRB + T.Cast("int64", bx) // S)
-            T.cuda.thread_fence()
             T.cuda.cta_sync()
             if tid == 0:
-                ticket[0] = T.cuda.atomic_add(COUNTERS.ptr_to([slot]), T.int32(1))
+                T.ptx["atom.acq_rel.gpu.global.add.s32"](ticket[0], COUNTERS.ptr_to([slot]), T.int32(1))
             T.cuda.cta_sync()
             if ticket[0] == T.Cast("int32", S) - 1:
-                T.cuda.thread_fence()
-                merge_splits(O, LSE, O_FINAL, LSE_FINAL, b, head, qi, r0, G * LQ, S, warp, lane, W, D, dt)
+                merge_splits(O, LSE, O_FINAL, LSE_FINAL, top, ids, b, head, qi, r0, G * LQ, S, warp, lane, W, D, dt)
                 if tid == 0:
                     COUNTERS[slot] = T.int32(0)  # ready for the next launch
 

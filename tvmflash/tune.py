@@ -67,11 +67,10 @@ def candidates(spec: AttentionSpec, phase: str = "forward", arch: str = "sm_90a"
         from .schedules.cuda_decode import row_width
 
         shapes = [(1, 16), (1, 32), (1, 64), (2, 64), (2, 128), (4, 64), (4, 128), (8, 128)]  # (warps, block_n)
-        merge_bytes = 16 * (d + 2) * 4  # the warps' rows merged in shared memory
         decode_row_bytes = row_width(d) * 2
         return [{"decode_warps": w, "decode_block_n": bn, "decode_stages": st, "decode_l2_prefetch": 0}
                 for (w, bn), st in itertools.product(shapes, (2, 3))
-                if (16 + 2 * st * bn) * decode_row_bytes + merge_bytes <= SMEM_LIMIT]
+                if (16 + 2 * st * bn) * decode_row_bytes + w * 16 * 2 * 4 <= SMEM_LIMIT]  # + the warps' row stats
     if phase == "forward" and cuda_forward_wgmma.supports(spec, arch):
         # a softcap's exponents split between MUFU and the FMA pipe (knob of no other spec)
         polys = [{"wgmma_poly_exp2": k} for k in (0, 1, 2)] if "softcap" in spec.variants else [{}]
