@@ -28,7 +28,7 @@ a row block to finish (an atomic count per row block in `split_counters`, which 
 merges them by lse (`merge_splits`), and a single split writes the outputs itself: one
 launch a call. The epilogue is loops, not unrolled copies: unrolled, its stores and index
 arithmetic made the kernel 12.5k instructions, and at 256 keys a quarter of the stall samples
-were instruction-cache misses (4.1k now; 3-4 us less a call on the H200).
+were instruction-cache misses (4.6-5.4k now; 3-4 us less a call on the H200).
 
 Knobs (`DEFAULTS`):
     decode_block_n     keys per K/V tile (a multiple of 16 x decode_warps)
