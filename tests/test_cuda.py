@@ -68,13 +68,16 @@ def test_swizzled_rows_keep_copies_in_one_line_and_ldmatrix_free_of_conflicts(wi
 
 
 @needs_nvcc
-@pytest.mark.parametrize("warps,block_n", [(1, 32), (2, 64)])
-def test_cuda_decode_kernel_builds_for_other_warp_counts(warps, block_n):
-    """The decode kernel's warp counts the records do not pick (head dim 128 takes 4 warps on
-    the H100) still build: a retuned record may choose them."""
+@pytest.mark.parametrize("head_dim,warps,block_n", [(128, 1, 32), (128, 8, 128), (96, 4, 64), (256, 2, 64)])
+def test_cuda_decode_kernel_builds_for_other_warp_counts(head_dim, warps, block_n):
+    """The decode kernel's shapes the records do not pick (head dim 128 takes 4 warps on the
+    H200) still build: a retuned record may choose them. Among them the epilogue's uneven
+    cases: more threads than head-dim columns (8 warps; 4 at head dim 96, padded rows), and
+    several columns a thread (head dim 256). (Their results matched a float64 reference on
+    the H200 with 1, 3 and 8 splits, empty sequences and 16-row blocks, in a probe run.)"""
     from tvmflash.build import build_module, cuda_target
 
-    spec = AttentionSpec("bfloat16", 128, kv_cache=True)
+    spec = AttentionSpec("bfloat16", head_dim, kv_cache=True)
     build_module(spec, cuda_target("sm_90a"), {"decode_warps": warps, "decode_block_n": block_n})
 
 
