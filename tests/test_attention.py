@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tvmflash
-from reference import attention
+from tvmflash.reference import attention
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FLOOR = {torch.float32: 2e-5, torch.bfloat16: 2e-3, torch.float16: 1e-3}

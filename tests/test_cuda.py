@@ -10,7 +10,7 @@ import torch
 
 import tvmflash
 from tvmflash.spec import AttentionSpec
-from reference import attention
+from tvmflash.reference import attention
 
 def _compiler_available() -> bool:
     import tvm_ffi

@@ -12,7 +12,7 @@ import pytest
 RUNTIME_ONLY = """
 import torch, tvmflash
 from tvmflash import build
-from reference import attention
+from tvmflash.reference import attention
 assert not build.has_compiler()
 q, k, v = (torch.randn(2, 37, 4, 32, dtype=torch.float64).float().requires_grad_() for _ in range(3))
 out = tvmflash.flash_attn_func(q, k, v, causal=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tvmflash import flex
-from reference import attention
+from tvmflash.reference import attention
 from test_attention import DTYPES, check_against_reference, make
 
 L_DOC = 300  # document ids cover this many positions

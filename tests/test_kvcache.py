@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tvmflash
-from reference import attention
+from tvmflash.reference import attention
 from test_attention import FLOOR
 
 H, HK, D = 4, 2, 32

@@ -226,6 +226,40 @@ def test_a_candidate_that_fails_to_build_is_recorded_as_failed(tmp_path, logs, m
     assert summary["measured"] == trials - bad > 0
 
 
+@pytest.mark.parametrize("spec", [AttentionSpec("float32", 64), AttentionSpec("bfloat16", 64, causal="bottom_right",
+                                                                             variants=("softcap", "alibi"))],
+                         ids=["fp32", "bf16-causal-softcap-alibi"])  # (specs the CPU tests build anyway)
+def test_candidates_with_wrong_results_are_rejected(spec):
+    """check_candidate passes the shipped module (forward: o and lse; backward: dQ, dK, dV, also
+    from a library of the backward's kernels only, as a CPU backward candidate's; `tvmflash
+    tune` calls it before timing) and rejects one whose forward is wrong in the partial
+    tile's last row, or NaN."""
+    import torch
+
+    from tvmflash.ops import _kernels
+
+    kern = dict(_kernels(spec, torch.device("cpu")))
+    values = {"softcap": tune.DEFAULT_SOFTCAP} if "softcap" in spec.variants else {}
+    for phase in ("forward", "backward"):
+        tune.check_candidate(kern, spec, phase, "cpu", values)
+    backward_only = {name: f for name, f in kern.items() if name in tune.CPU_PHASE_KERNELS["backward"]}
+    tune.check_candidate(backward_only, spec, "backward", "cpu", values)  # as a backward candidate's library
+    good = kern["forward"]
+
+    def last_row_off(q, k, v, o, lse, *rest):
+        good(q, k, v, o, lse, *rest)
+        o[:, :, -1] += 0.1
+
+    def nan(q, k, v, o, lse, *rest):
+        good(q, k, v, o, lse, *rest)
+        lse[0, 0, 0] = float("nan")
+
+    with pytest.raises(ValueError, match="forward's o is off by 0.1"):
+        tune.check_candidate({**kern, "forward": last_row_off}, spec, "forward", "cpu", values)
+    with pytest.raises(ValueError, match="forward's lse is off by nan"):
+        tune.check_candidate({**kern, "forward": nan}, spec, "backward", "cpu", values)
+
+
 def test_tune_stops_at_the_time_budget(tmp_path, logs):
     summary = tune.tune("host", [AttentionSpec("float32", 32)], trials=4, time_budget=0, work_dir=tmp_path)
     assert summary["measured"] == 0 and summary["out_of_time"] == 8  # 4 forward + 4 backward

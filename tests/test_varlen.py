@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tvmflash
-from reference import attention
+from tvmflash.reference import attention
 from test_attention import DTYPES, FLOOR, assert_close, backward_plan
 
 # (lengths_q, lengths_k): empty sequences, a single token, Lq > Lk and Lq < Lk per sequence,

@@ -11,6 +11,8 @@ Otherwise the same command builds here (`--build-only`, or simply no GPU / no AV
 again on the target machine with the work directory carried over, times what was built there
 with TVM's runtime only; run once more here, it merges. A run resumes from its database:
 measured candidates are never timed twice, `--trials` counts new measurements per workload.
+Before a candidate is timed its results are checked against `tvmflash.reference`
+(`check_candidate`); one that differs is recorded as failed.
 
 The forward and the backward have separate knobs and are tuned as separate phases (a
 candidate varies one phase's knobs; the others stay at their record). The `decode` phase (CUDA
@@ -303,21 +305,26 @@ class WorkDir:
                                 "phase": c.phase, "knobs": c.knobs, "secs": secs, "best_secs": best.secs}) + "\n")
 
 
+DEFAULT_SOFTCAP = 30.0  # a softcap spec's cap where no value is given (Gemma 2 uses 30 and 50)
+
+
 def measure(c: Candidate, entry: dict, work_dir: Path, seqlens: tuple = SEQLENS, values: dict | None = None) -> float:
     """Seconds per call of candidate `c` (the geometric mean over `seqlens`; decode: over
-    DECODE_SEQLENS), loaded from its library with TVM's runtime; `values` are the variants'
-    (window, softcap)."""
+    DECODE_SEQLENS), loaded from its library with TVM's runtime, after `check_candidate`
+    (raises for wrong results); `values` are the variants' (window, softcap)."""
     from .build import _load
 
     target = entry["target"]
     module = _load(work_dir / entry["lib"], target)
     funcs = _PHASE_FUNCS["cuda" if target["kind"] == "cuda" else "cpu"]
     kern = {name: module[name] for name in funcs if module.implements_function(name, query_imports=True)}
+    values = {**({"softcap": DEFAULT_SOFTCAP} if "softcap" in c.spec.variants else {}), **(values or {})}
+    check_candidate(kern, c.spec, c.phase, "cuda" if target["kind"] == "cuda" else "cpu", values)
     if c.phase == "decode":
         times = [_time_decode(kern, c.spec, c.knobs["decode_ctas_per_sm"], L) for L in DECODE_SEQLENS]
     else:
         time_one = _time_one if target["kind"] == "cuda" else _time_one_cpu
-        times = [time_one(kern, c.spec, L, c.phase == "backward", values or {}) for L in seqlens]
+        times = [time_one(kern, c.spec, L, c.phase == "backward", values) for L in seqlens]
     return math.prod(times) ** (1 / len(times)) / 1e3
 
 
@@ -391,31 +398,109 @@ def time_to_fraction(history: list[dict], fraction: float = 0.95) -> dict:
     return out
 
 
-def _time_decode(kern: dict, spec: AttentionSpec, per_sm: int, length: int) -> float:
-    """Milliseconds per decode call (one launch: the kernel merges its splits), B=16, H=32,
-    Hk=8, one query, `length` keys in shuffled pages of 16, at `per_sm` CTAs per SM (the
-    automatic splits)."""
+def _decode_problem(kern: dict, spec: AttentionSpec, per_sm: int, lengths: list, heads: int = 32, heads_k: int = 8):
+    """A decode call as ops.decode_kv_cache makes it (one launch: the kernel merges its splits):
+    one query per sequence of `lengths` keys in shuffled pages of 16, at `per_sm` CTAs per SM
+    (the automatic splits). Returns (call, its tensors)."""
     import torch
 
     from . import ops
 
-    b, h, hk, d = 16, 32, 8, spec.head_dim
-    dt = getattr(torch, spec.dtype)
-    q = torch.randn(b, h, 1, d, device="cuda", dtype=dt)
-    k, v = (torch.randn(b * length // 16, 16, hk, d, device="cuda", dtype=dt) for _ in range(2))
-    table = torch.randperm(b * length // 16, device="cuda").view(b, -1).to(torch.int32)
-    seqlens = torch.full((b,), length, dtype=torch.int32, device="cuda")
-    splits = max(1, per_sm * ops._sm_count(q.device) // (b * hk))
-    o_part = torch.empty(b, h, splits, 1, d, device="cuda")
-    lse_part = torch.empty(b, h, splits, 1, device="cuda")
-    out, lse = torch.empty_like(q), torch.empty(b, h, 1, device="cuda")
+    b, d, dt = len(lengths), spec.head_dim, getattr(torch, spec.dtype)
+    pages = -(-max(lengths) // 16)
+    q = torch.randn(b, heads, 1, d, device="cuda", dtype=dt)
+    k, v = (torch.randn(b * pages, 16, heads_k, d, device="cuda", dtype=dt) for _ in range(2))
+    table = torch.randperm(b * pages, device="cuda").view(b, pages).to(torch.int32)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    splits = max(1, min(per_sm * ops._sm_count(q.device) // (b * heads_k), pages))
+    o_part = torch.empty(b, heads, splits, 1, d, device="cuda")
+    lse_part = torch.empty(b, heads, splits, 1, device="cuda")
+    out, lse = torch.empty_like(q), torch.empty(b, heads, 1, device="cuda")
     starts = torch.zeros_like(seqlens)
-    counters = torch.zeros(b * hk, dtype=torch.int32, device="cuda")  # one row block per kv-head
+    counters = torch.zeros(b * heads_k, dtype=torch.int32, device="cuda")  # one row block per kv-head
 
-    def call():  # as ops.decode_kv_cache
+    def call():
         kern["decode"](q, k, v, table, seqlens, starts, 0, o_part, lse_part, out, lse, counters, d ** -0.5)
+    return call, dict(q=q, k=k, v=v, table=table, seqlens=seqlens, out=out, lse=lse)
+
+
+def _time_decode(kern: dict, spec: AttentionSpec, per_sm: int, length: int) -> float:
+    """Milliseconds per decode call, B=16, H=32, Hk=8, `length` keys (`_decode_problem`)."""
+    call, _ = _decode_problem(kern, spec, per_sm, [length] * 16)
     call()
     return _cuda_ms(call)
+
+
+CHECK_TOLERANCE = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 3e-2}  # relative, and of the mean |value|
+LSE_TOLERANCE = 2e-3  # (computed in fp32 from the same inputs on both sides)
+
+
+def check_candidate(kern: dict, spec: AttentionSpec, phase: str, device: str, values: dict | None = None) -> None:
+    """Raise ValueError where a candidate's results differ from `tvmflash.reference` (fp32, or
+    fp64 on CPUs): |got - want| <= tol (mean |want| + |want|), tol by dtype; lse within
+    LSE_TOLERANCE. A knob setting that builds but computes wrong results (a race, a missed
+    tile) must not be timed, let alone merged. A small odd-sized problem (partial tiles): the
+    forward's o and lse (every forward kernel of a CPU module), the backward's dQ, dK and dV,
+    the decode's o and lse over ragged and empty sequences."""
+    import torch
+
+    from .reference import attention
+
+    torch.manual_seed(0)
+    values = values or {}
+    exact = torch.float32 if device == "cuda" else torch.float64
+
+    def compare(name, got, want):
+        want = want.to(exact)
+        finite = ~torch.isinf(want)  # rows that see no key: lse -inf on both sides
+        got = got.to(exact).where(finite, want)
+        if name.endswith("lse"):
+            bound = torch.full_like(want, LSE_TOLERANCE)
+        else:
+            tol = CHECK_TOLERANCE[spec.dtype]
+            bound = tol * (want.abs().mean().clamp(min=1.0) + want.abs())
+        excess = ((got - want).abs() - bound).where(finite, 0)
+        if excess.numel() and not excess.max().item() <= 0:  # (NaN fails too)
+            worst = excess.nan_to_num(float("inf")).argmax()
+            err = (got - want).abs().flatten()[worst].item()
+            raise ValueError(f"{spec.name} {phase}: {name} is off by {err:.3g} (tolerance "
+                             f"{bound.flatten()[worst].item():.3g})")
+
+    if phase == "decode":
+        lengths = [300, 123, 0, 17]
+        call, t = _decode_problem(kern, spec, 3, lengths, heads=8, heads_k=2)
+        call()
+        torch.cuda.synchronize()
+        for b, n in enumerate(lengths):
+            rows = torch.arange(n, device="cuda")
+            k, v = (c[t["table"][b, rows // 16].long(), rows % 16].transpose(0, 1)[None] for c in (t["k"], t["v"]))
+            o, lse = attention(t["q"][b:b + 1], k, v, dtype=exact)
+            compare(f"sequence {b}'s o", t["out"][b:b + 1], o)
+            compare(f"sequence {b}'s lse", t["lse"][b:b + 1], lse)
+        return
+    forward, backward, t = _attention_problem(kern, spec, 2, 3, 77, values, device)
+    slopes = 2.0 ** (-8.0 * torch.arange(1, 4, device=device) / 3) if "alibi" in spec.variants else None
+    q, k, v = (t[n].to(exact).requires_grad_() for n in "qkv")
+    o, lse = attention(q, k, v, causal=spec.causal, dtype=exact, window=values.get("window", (-1, -1)),
+                       softcap=values.get("softcap", 0.0), alibi_slopes=slopes)
+    # (a CPU backward candidate's library holds the backward's kernels only)
+    names = [n for n in ("forward", "forward_long") if n in kern] if device != "cuda" else ["forward"]
+    for name in names:
+        forward(name)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        compare(f"{name}'s o", t["o"], o)
+        compare(f"{name}'s lse", t["lse"], lse)
+    if phase == "backward":
+        with torch.no_grad():  # the backward's inputs: the reference's o and lse where no forward ran
+            if not names:
+                t["o"].copy_(o)
+                t["lse"].copy_(lse)
+        backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        for name, grad in zip(("dq", "dk", "dv"), torch.autograd.grad(o, (q, k, v), t["do"].to(exact))):
+            compare(name, t[name], grad)
 
 
 _PHASE_FUNCS = {"cuda": ("forward", "backward_prep", "backward_dkdv_dq", "backward_dq_convert", "backward_dkdv",
@@ -443,27 +528,47 @@ def _mod_args(spec: AttentionSpec, q, values: dict) -> tuple:
                          values.get("softcap", 0.0), slopes)
 
 
-def _time_one(kern: dict, spec: AttentionSpec, seqlen: int, backward: bool, values: dict) -> float:
-    """Milliseconds per call of the forward, or of the backward (prep, dK/dV/dQ, convert)."""
+def _attention_problem(kern: dict, spec: AttentionSpec, batch: int, heads: int, seqlen: int, values: dict,
+                       device: str) -> tuple:
+    """(forward, backward, tensors): calls of the module's forward and backward (CUDA: prep,
+    dK/dV/dQ, convert; CPU: delta, the planned dK/dV/dQ kernels, packs) on random inputs, as
+    ops calls them; the backward uses the o and lse of the last forward."""
     import torch
 
-    from .ops import _backward_cuda, _on_stream
+    from .ops import _amx_packs, _backward_cpu, _backward_cuda, _forward_kernel_name
 
     dt = getattr(torch, spec.dtype)
-    (b, h), d = _shape(spec, seqlen, "cuda"), spec.head_dim
-    q, k, v, do = (torch.randn(b, h, seqlen, d, device="cuda", dtype=dt) for _ in range(4))
+    q, k, v, do = (torch.randn(batch, heads, seqlen, spec.head_dim, device=device, dtype=dt) for _ in range(4))
     o, dq, dk, dv = (torch.empty_like(q) for _ in range(4))
-    lse = torch.empty(b, h, seqlen, device="cuda", dtype=torch.float32)
-    args = _mod_args(spec, q, values)
+    lse = torch.zeros(batch, heads, seqlen, device=device, dtype=torch.float32)
+    scale, args = spec.head_dim ** -0.5, _mod_args(spec, q, values)
+    if device == "cuda":
+        def forward(name="forward"):
+            kern[name](q, k, v, o, lse, scale, *args)
 
-    def call():
-        if backward:
-            _backward_cuda(kern, do, q, k, v, o, lse, None, args, d ** -0.5, False, dq, dk, dv)
-        else:
-            kern["forward"](q, k, v, o, lse, d ** -0.5, *args)
+        def backward():
+            _backward_cuda(kern, do, q, k, v, o, lse, None, args, scale, False, dq, dk, dv)
+    else:
+        from .cpu import request_amx
 
-    with _on_stream(q.device):
-        kern["forward"](q, k, v, o, lse, d ** -0.5, *args)
+        request_amx()  # before the first AMX kernel of the process
+
+        def forward(name=None):
+            kern[name or _forward_kernel_name(kern, q, k)](q, k, v, o, lse, scale, *args, *_amx_packs(kern, k, v))
+
+        def backward():
+            _backward_cpu(kern, do, q, k, v, o, lse, None, args, scale, dq, dk, dv)
+    return forward, backward, dict(q=q, k=k, v=v, do=do, o=o, lse=lse, dq=dq, dk=dk, dv=dv)
+
+
+def _time_one(kern: dict, spec: AttentionSpec, seqlen: int, backward: bool, values: dict) -> float:
+    """Milliseconds per call of the forward, or of the backward (prep, dK/dV/dQ, convert)."""
+    from .ops import _on_stream
+
+    forward, backward_call, t = _attention_problem(kern, spec, *_shape(spec, seqlen, "cuda"), seqlen, values, "cuda")
+    call = backward_call if backward else forward
+    with _on_stream(t["q"].device):
+        forward()
         for _ in range(3):
             call()
         return _cuda_ms(call)
@@ -491,27 +596,8 @@ def _time_one_cpu(kern: dict, spec: AttentionSpec, seqlen: int, backward: bool, 
     import statistics
     import time as clock
 
-    import torch
-
-    from .cpu import request_amx
-    from .ops import _amx_packs, _backward_cpu, _forward_kernel_name
-
-    request_amx()  # before the first AMX kernel of the process
-
-    dt = getattr(torch, spec.dtype)
-    b, h = _shape(spec, seqlen, "cpu")
-    q, k, v, do = (torch.randn(b, h, seqlen, spec.head_dim, dtype=dt) for _ in range(4))
-    o, dq, dk, dv = (torch.empty_like(q) for _ in range(4))
-    lse = torch.zeros(b, h, seqlen, dtype=torch.float32)
-    scale = spec.head_dim ** -0.5
-    args = _mod_args(spec, q, values)
-
-    def call():
-        if backward:
-            _backward_cpu(kern, do, q, k, v, o, lse, None, args, scale, dq, dk, dv)
-        else:
-            kern[_forward_kernel_name(kern, q, k)](q, k, v, o, lse, scale, *args, *_amx_packs(kern, k, v))
-
+    forward, backward_call, _ = _attention_problem(kern, spec, *_shape(spec, seqlen, "cpu"), seqlen, values, "cpu")
+    call = backward_call if backward else forward
     start = clock.perf_counter()
     call()
     iters = max(1, int(CPU_SAMPLE_S / max(clock.perf_counter() - start, 1e-6)))

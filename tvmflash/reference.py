@@ -1,6 +1,7 @@
-"""Plain PyTorch attention used as the reference: (B, H, L, D) layout, any dtype (float64 for
-the ground truth, the input dtype for flash-attn's error budget). A query that sees no key
-gets output 0 and lse -inf, with finite gradients."""
+"""Plain PyTorch attention, the semantics every kernel is checked against (by the tests, and by
+`tvmflash tune`, which rejects a candidate whose results differ): (B, H, L, D) layout, any
+dtype (float64 for the ground truth, the input dtype for flash-attn's error budget). A query
+that sees no key gets output 0 and lse -inf, with finite gradients."""
 import math
 
 import torch
