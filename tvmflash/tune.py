@@ -321,7 +321,7 @@ def measure(c: Candidate, entry: dict, work_dir: Path, seqlens: tuple = SEQLENS,
     values = {**({"softcap": DEFAULT_SOFTCAP} if "softcap" in c.spec.variants else {}), **(values or {})}
     check_candidate(kern, c.spec, c.phase, "cuda" if target["kind"] == "cuda" else "cpu", values)
     if c.phase == "decode":
-        times = [_time_decode(kern, c.spec, c.knobs["decode_ctas_per_sm"], L) for L in DECODE_SEQLENS]
+        times = [_time_decode(kern, c.spec, c.knobs["decode_ctas_per_sm"], L, values) for L in DECODE_SEQLENS]
     else:
         time_one = _time_one if target["kind"] == "cuda" else _time_one_cpu
         times = [time_one(kern, c.spec, L, c.phase == "backward", values) for L in seqlens]
@@ -398,16 +398,21 @@ def time_to_fraction(history: list[dict], fraction: float = 0.95) -> dict:
     return out
 
 
-def _decode_problem(kern: dict, spec: AttentionSpec, per_sm: int, lengths: list, heads: int = 32, heads_k: int = 8):
+def _decode_problem(kern: dict, spec: AttentionSpec, per_sm: int, lengths: list, values: dict, heads: int = 32,
+                    heads_k: int = 8):
     """A decode call as ops.decode_kv_cache makes it (one launch: the kernel merges its splits):
     one query per sequence of `lengths` keys in shuffled pages of 16, at `per_sm` CTAs per SM
-    (the automatic splits). Returns (call, its tensors)."""
+    (the automatic splits); `values` the variants' (window, softcap). Returns (call, its
+    tensors)."""
     import torch
 
     from . import ops
 
     b, d, dt = len(lengths), spec.head_dim, getattr(torch, spec.dtype)
     pages = -(-max(lengths) // 16)
+    slopes = _alibi_slopes(spec, heads, "cuda")
+    args = ops._mod_args(spec, (b, heads, 1, pages * 16), None, values.get("window", (-1, -1)),
+                         values.get("softcap", 0.0), slopes)
     q = torch.randn(b, heads, 1, d, device="cuda", dtype=dt)
     k, v = (torch.randn(b * pages, 16, heads_k, d, device="cuda", dtype=dt) for _ in range(2))
     table = torch.randperm(b * pages, device="cuda").view(b, pages).to(torch.int32)
@@ -420,13 +425,13 @@ def _decode_problem(kern: dict, spec: AttentionSpec, per_sm: int, lengths: list,
     counters = torch.zeros(b * heads_k, dtype=torch.int32, device="cuda")  # one row block per kv-head
 
     def call():
-        kern["decode"](q, k, v, table, seqlens, starts, 0, o_part, lse_part, out, lse, counters, d ** -0.5)
-    return call, dict(q=q, k=k, v=v, table=table, seqlens=seqlens, out=out, lse=lse)
+        kern["decode"](q, k, v, table, seqlens, starts, 0, o_part, lse_part, out, lse, counters, d ** -0.5, *args)
+    return call, dict(q=q, k=k, v=v, table=table, seqlens=seqlens, out=out, lse=lse, slopes=slopes)
 
 
-def _time_decode(kern: dict, spec: AttentionSpec, per_sm: int, length: int) -> float:
+def _time_decode(kern: dict, spec: AttentionSpec, per_sm: int, length: int, values: dict) -> float:
     """Milliseconds per decode call, B=16, H=32, Hk=8, `length` keys (`_decode_problem`)."""
-    call, _ = _decode_problem(kern, spec, per_sm, [length] * 16)
+    call, _ = _decode_problem(kern, spec, per_sm, [length] * 16, values)
     call()
     return _cuda_ms(call)
 
@@ -466,23 +471,22 @@ def check_candidate(kern: dict, spec: AttentionSpec, phase: str, device: str, va
             raise ValueError(f"{spec.name} {phase}: {name} is off by {err:.3g} (tolerance "
                              f"{bound.flatten()[worst].item():.3g})")
 
+    modifiers = dict(causal=spec.causal, window=values.get("window", (-1, -1)), softcap=values.get("softcap", 0.0))
     if phase == "decode":
         lengths = [300, 123, 0, 17]
-        call, t = _decode_problem(kern, spec, 3, lengths, heads=8, heads_k=2)
+        call, t = _decode_problem(kern, spec, 3, lengths, values, heads=8, heads_k=2)
         call()
         torch.cuda.synchronize()
         for b, n in enumerate(lengths):
             rows = torch.arange(n, device="cuda")
             k, v = (c[t["table"][b, rows // 16].long(), rows % 16].transpose(0, 1)[None] for c in (t["k"], t["v"]))
-            o, lse = attention(t["q"][b:b + 1], k, v, dtype=exact)
+            o, lse = attention(t["q"][b:b + 1], k, v, dtype=exact, alibi_slopes=t["slopes"], **modifiers)
             compare(f"sequence {b}'s o", t["out"][b:b + 1], o)
             compare(f"sequence {b}'s lse", t["lse"][b:b + 1], lse)
         return
     forward, backward, t = _attention_problem(kern, spec, 2, 3, 77, values, device)
-    slopes = 2.0 ** (-8.0 * torch.arange(1, 4, device=device) / 3) if "alibi" in spec.variants else None
     q, k, v = (t[n].to(exact).requires_grad_() for n in "qkv")
-    o, lse = attention(q, k, v, causal=spec.causal, dtype=exact, window=values.get("window", (-1, -1)),
-                       softcap=values.get("softcap", 0.0), alibi_slopes=slopes)
+    o, lse = attention(q, k, v, dtype=exact, alibi_slopes=_alibi_slopes(spec, 3, device), **modifiers)
     # (a CPU backward candidate's library holds the backward's kernels only)
     names = [n for n in ("forward", "forward_long") if n in kern] if device != "cuda" else ["forward"]
     for name in names:
@@ -513,19 +517,22 @@ def _shape(spec: AttentionSpec, seqlen: int, kind: str) -> tuple:
     return (16384 // seqlen, 2048 // spec.head_dim) if kind == "cuda" else (1, 16)
 
 
-def _mod_args(spec: AttentionSpec, q, values: dict) -> tuple:
-    """The variants' kernel arguments for timing (`values`: window, softcap; ALiBi slopes are
-    the usual geometric ones)."""
+def _alibi_slopes(spec: AttentionSpec, heads: int, device):
+    """The usual geometric ALiBi slopes (heads,) for an ALiBi spec, else None."""
     import torch
 
+    return 2.0 ** (-8.0 * torch.arange(1, heads + 1, device=device) / heads) if "alibi" in spec.variants else None
+
+
+def _mod_args(spec: AttentionSpec, q, values: dict) -> tuple:
+    """The variants' kernel arguments for timing (`values`: window, softcap; `_alibi_slopes`)."""
     from . import ops
 
     if spec.mask != "none" or spec.flex or {"dropout", "varlen"} & set(spec.variants):
         raise ValueError(f"tuning takes plain, causal, window, softcap and ALiBi specs, not {spec.name}")
     b, h, length, _ = q.shape
-    slopes = 2.0 ** (-8.0 * torch.arange(1, h + 1, device=q.device) / h) if "alibi" in spec.variants else None
     return ops._mod_args(spec, (b, h, length, length), None, values.get("window", (-1, -1)),
-                         values.get("softcap", 0.0), slopes)
+                         values.get("softcap", 0.0), _alibi_slopes(spec, h, q.device))
 
 
 def _attention_problem(kern: dict, spec: AttentionSpec, batch: int, heads: int, seqlen: int, values: dict,
