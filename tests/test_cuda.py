@@ -711,6 +711,20 @@ def test_cuda_kvcache_long(layout, num_splits):
 
 
 @needs_gpu
+@pytest.mark.parametrize("spec,phase", [(AttentionSpec("bfloat16", 128, causal="bottom_right"), "forward"),
+                                        (AttentionSpec("bfloat16", 128, causal="bottom_right"), "backward"),
+                                        (AttentionSpec("bfloat16", 128, kv_cache=True), "decode")],
+                         ids=["forward", "backward", "decode"])
+def test_the_tuners_check_passes_the_shipped_modules(spec, phase):
+    """`tvmflash tune` checks each candidate on the GPU (tune.check_candidate) before timing
+    it: the records' modules pass (its rejections are tested on the CPU, test_tune.py)."""
+    from tvmflash import tune
+    from tvmflash.ops import _kernels
+
+    tune.check_candidate(dict(_kernels(spec, torch.device("cuda"))), spec, phase, "cuda")
+
+
+@needs_gpu
 def test_cuda_graph_capture_of_forward_backward_and_decode():
     """A training step (forward + backward) and a decode step captured in CUDA graphs replay
     with new inputs to the same results as eager calls: no host syncs, no allocations outside
