@@ -19,16 +19,17 @@ rows swizzled where the head dim allows, `SwizzledRows`: with padded rows the co
 traffic was 1.5x the bytes read and the kernel L2-bound at 0.92-0.95x cuDNN's speed on the
 H200, swizzled it reads the cache at cuDNN's 4.4 TB/s);
 each warp takes an equal slice of a tile's keys, with its own online softmax (S and O on
-`mma.sync` as in cuda_forward.py), and the warps' rows are combined through shared memory
-(the spent K/V ring) at the end (`combine_warps`). Why several warps (measured on the H100, B=16 Hk=8 D=128 bf16, 64k keys): one-warp CTAs,
-3-4 an SM each on its own range of keys, read the cache at 2.90-2.92 TB/s; one CTA of four
-warps per (batch, kv-head), 128 keys a tile, at 2.98 (cuDNN's kernel, the same shape of CTA
-on a dense cache: 3.14). Each split writes its rows' O / l and lse (fp32); the last split of
-a row block to finish (an atomic count per row block in `split_counters`, which it resets)
-merges them by lse (`merge_splits`), and a single split writes the outputs itself: one
-launch a call. The epilogue is loops, not unrolled copies: unrolled, its stores and index
-arithmetic made the kernel 12.5k instructions, and at 256 keys a quarter of the stall samples
-were instruction-cache misses (4.6-5.4k now; 3-4 us less a call on the H200).
+`mma.sync` as in cuda_forward.py), and the warps' rows are combined through shared memory (the
+spent K/V ring) at the end (`combine_warps`). Why several warps (measured on the H100, B=16
+Hk=8 D=128 bf16, 64k keys): one-warp CTAs, 3-4 an SM each on its own range of keys, read the
+cache at 2.90-2.92 TB/s; one CTA of four warps per (batch, kv-head), 128 keys a tile, at 2.98
+(cuDNN's kernel, the same shape of CTA on a dense cache: 3.14). Each split writes its rows' O
+/ l and lse (fp32); the last split of a row block to finish (an atomic count per row block in
+`split_counters`, which it resets) merges them by lse (`merge_splits`), and a single split
+writes the outputs itself: one launch a call. The epilogue is loops, not unrolled copies:
+unrolled, its stores and index arithmetic made the kernel 12.5k instructions, and at 256 keys
+a quarter of the stall samples were instruction-cache misses (4.6-5.4k now; 3-4 us less a call
+on the H200).
 
 Knobs (`DEFAULTS`):
     decode_block_n     keys per K/V tile (a multiple of 16 x decode_warps)
@@ -97,8 +98,8 @@ def combine_warps(part, stats, top, ids, O_PART, LSE_PART, O, LSE, b, head, qi, 
             for k in T.unroll((D + NT - 1) // NT):
                 c = T.meta_var(tid + k * NT)
                 if D % NT == 0 or c < D:
-                    value = T.meta_var(sum_over(W, lambda w: part[(w * ROWS + r) * D + c] * T.exp2(stats[w, r, 0] - top[0]))
-                                       * row_reciprocal(top[1]))
+                    scaled = T.meta_var(lambda w: part[(w * ROWS + r) * D + c] * T.exp2(stats[w, r, 0] - top[0]))
+                    value = T.meta_var(sum_over(W, scaled) * row_reciprocal(top[1]))
                     if S == 1:
                         O[b, ids[0], ids[1], c] = T.Cast(dt, value)
                     else:
