@@ -295,6 +295,15 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def cuda_decode_splits(device: torch.device, row_blocks: int, capacity: int, per_sm: int, num_splits: int = 0) -> int:
+    """The CUDA decode kernel's splits of a call with `row_blocks` CTAs a split and keys up to
+    `capacity`: `num_splits`, or (0) waves of `per_sm` CTAs per SM, the last one full; a split
+    has a 16-key tile at least, and there are 256 at most."""
+    if num_splits <= 0:
+        num_splits = max(1, per_sm * _sm_count(device) // row_blocks)
+    return max(1, min(num_splits, -(-capacity // 16), 256))
+
+
 def _decode_plan(q: torch.Tensor, heads_k: int, capacity: int, causal: bool, window: tuple, softcap: bool,
                  alibi: bool, num_splits: int) -> tuple:
     """What a decode call's shape fixes: (spec, split kernel, its scratch arguments, combine
@@ -306,9 +315,7 @@ def _decode_plan(q: torch.Tensor, heads_k: int, capacity: int, causal: bool, win
     spec, per_sm = _decode_spec(q.dtype, D, causal, window, softcap, alibi)
     row_blocks = B * heads_k * -(-(H // heads_k) * Lq // DECODE_ROWS)  # CUDA: a split's CTAs
     if q.is_cuda:
-        if num_splits <= 0:  # waves of decode_ctas_per_sm CTAs per SM, the last one full
-            num_splits = max(1, per_sm * _sm_count(q.device) // row_blocks)
-        splits = max(1, min(num_splits, -(-capacity // 16), 256))  # a split has a 16-key tile at least
+        splits = cuda_decode_splits(q.device, row_blocks, capacity, per_sm, num_splits)
     else:
         splits = _cpu_splits(B, H, heads_k, Lq, capacity, num_splits)
     kern = _kernels(spec, q.device)

@@ -417,7 +417,7 @@ def _decode_problem(kern: dict, spec: AttentionSpec, per_sm: int, lengths: list,
     k, v = (torch.randn(b * pages, 16, heads_k, d, device="cuda", dtype=dt) for _ in range(2))
     table = torch.randperm(b * pages, device="cuda").view(b, pages).to(torch.int32)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    splits = max(1, min(per_sm * ops._sm_count(q.device) // (b * heads_k), pages))
+    splits = ops.cuda_decode_splits(q.device, b * heads_k, pages * 16, per_sm)
     o_part = torch.empty(b, heads, splits, 1, d, device="cuda")
     lse_part = torch.empty(b, heads, splits, 1, device="cuda")
     out, lse = torch.empty_like(q), torch.empty(b, heads, 1, device="cuda")
