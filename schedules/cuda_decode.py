@@ -65,6 +65,16 @@ def row_width(head_dim: int) -> int:
     return head_dim if SwizzledRows.fits(head_dim) else head_dim + PAD
 
 
+def pool_bytes(head_dim: int, block_n: int, stages: int) -> int:
+    """A decode CTA's tile pool: the query rows, then rings of `stages` K and V tiles."""
+    return (ROWS + 2 * stages * block_n) * row_width(head_dim) * 2
+
+
+def shared_bytes(head_dim: int, block_n: int, warps: int, stages: int) -> int:
+    """A decode CTA's shared memory: its pool and the warps' row stats (max and sum a row)."""
+    return pool_bytes(head_dim, block_n, stages) + warps * ROWS * 2 * 4
+
+
 def supports(spec: AttentionSpec) -> bool:
     """Specs the decode kernel computes: 16-bit, head dims that are multiples of 16, the
     modifiers of flash_attn_with_kvcache (no masks, dropout, flex or packed sequences)."""
@@ -170,8 +180,8 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     NS, ND = BW // 8, D // 8
     K_ROW, V_ROW = ROWS, ROWS + ST * BN
     WIDTH = row_width(D)
-    SCOPE = smem_scope((ROWS + 2 * ST * BN) * WIDTH * 2)
-    assert W * ROWS * D * 4 <= (ROWS + 2 * ST * BN) * WIDTH * 2  # the warps' O rows fit in the pool
+    SCOPE = smem_scope(pool_bytes(D, BN, ST))
+    assert W * ROWS * D * 4 <= pool_bytes(D, BN, ST)  # the warps' O rows fit in the pool
 
     shape = Shape.fresh()
     B, H, HK, LQ = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q

@@ -315,6 +315,33 @@ def test_cuda_softcap_under_a_scale_of_either_sign(scale, dtype, d, causal):
 
 
 @needs_gpu
+@pytest.mark.parametrize("cap", [5.0, 50.0, 62.0, 70.0, 200.0])
+def test_cuda_softcap_fixed_offset_keeps_every_row(cap):
+    """The bf16 wgmma forward of a lone softcap subtracts a fixed offset, not the running max,
+    for caps up to `cuda_mma.FIXED_OFFSET_MAX_CAP` (62.5), and the running max above it: on
+    both sides, rows whose scores all sit near -cap (the smallest P: e^-85 at a cap of 62) or
+    +cap, ordinary rows, and rows with no key (bottom-right causal, Lq > Lk) match a float64
+    reference, o and lse."""
+    from tvmflash.schedules.cuda_mma import FIXED_OFFSET_MAX_CAP
+
+    assert 62.0 <= FIXED_OFFSET_MAX_CAP < 70.0  # the caps above sit on both sides of it
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(2, 4, 300, 128, device="cuda", generator=g)
+    k, v = (torch.randn(2, 4, 190, 128, device="cuda", generator=g) for _ in range(2))
+    q[:, :2] = q[:, :2].abs() * 6  # head 0: every score far below -cap, head 1 far above +cap
+    k[:, 0], k[:, 1] = -k[:, 0].abs() * 6, k[:, 1].abs() * 6
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    out, lse, _ = tvmflash.flash_attn_func(*(x.transpose(1, 2) for x in (q, k, v)), causal=True, softcap=cap,
+                                           return_attn_probs=True)
+    o64, lse64 = attention(q.double(), k.double(), v.double(), causal="bottom_right", softcap=cap)
+    olow, _ = attention(q, k, v, causal="bottom_right", softcap=cap)
+    assert (out.transpose(1, 2).double() - o64).abs().max() <= 2 * (olow.double() - o64).abs().max() + 1e-3
+    assert torch.equal(lse.isneginf(), lse64.isneginf()) and lse.isneginf()[:, :, :110].all()
+    live = ~lse64.isneginf()  # lse up to cap + ln(190): tanh's relative error carries over
+    assert ((lse.double()[live] - lse64[live]).abs() <= 2e-4 + 3e-5 * lse64[live].abs()).all()
+
+
+@needs_gpu
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 def test_cuda_forward_masks(kind):
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -442,6 +469,7 @@ CUDA_VARIANTS = [(torch.float16, 64, False, (100, 7), False, 0.0, 0.0),
                  (torch.bfloat16, 128, False, (-1, -1), False, 0.0, 0.2),
                  (torch.float16, 64, True, (100, -1), True, 0.0, 0.3),
                  (torch.bfloat16, 64, False, (-1, -1), False, 3.0, 0.1),
+                 (torch.bfloat16, 128, True, (-1, -1), False, 50.0, 0.0),  # the forward's fixed offset
                  # softcap on the wgmma backward's 128-query blocks (its factor from P in 16 bits)
                  (torch.float16, 64, True, (-1, -1), False, 4.0, 0.0),
                  # ALiBi without a causal mask: forward tiles on either side of its diagonal take

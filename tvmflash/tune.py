@@ -66,13 +66,11 @@ def candidates(spec: AttentionSpec, phase: str = "forward", arch: str = "sm_90a"
     out = []
     d = spec.head_dim
     if phase == "decode":  # one-warp CTAs on small tiles, or CTAs of 2-8 warps on 64-128 keys
-        from .schedules.cuda_decode import row_width
+        from .schedules.cuda_decode import shared_bytes
 
         shapes = [(1, 16), (1, 32), (1, 64), (2, 64), (2, 128), (4, 64), (4, 128), (8, 128)]  # (warps, block_n)
-        decode_row_bytes = row_width(d) * 2
         return [{"decode_warps": w, "decode_block_n": bn, "decode_stages": st, "decode_l2_prefetch": 0}
-                for (w, bn), st in itertools.product(shapes, (2, 3))
-                if (16 + 2 * st * bn) * decode_row_bytes + w * 16 * 2 * 4 <= SMEM_LIMIT]  # + the warps' row stats
+                for (w, bn), st in itertools.product(shapes, (2, 3)) if shared_bytes(d, bn, w, st) <= SMEM_LIMIT]
     if phase == "forward" and cuda_forward_wgmma.supports(spec, arch):
         # a softcap's exponents split between MUFU and the FMA pipe (knob of no other spec)
         polys = [{"wgmma_poly_exp2": k} for k in (0, 1, 2)] if "softcap" in spec.variants else [{}]
