@@ -44,9 +44,9 @@ from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.kernels.score_mods import TileAt
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (SequenceTiles, batch_and_head, capped_offset, cta_position, dropout_rows, initial_max,
-                       key_terms_size, load_key_terms, load_row_values, locate_tile, query_rows, rescale_rows,
-                       row_values_size, softmax_tile, store_output, to_a_fragments, unmasked_softmax_tile)
+from .cuda_mma import (SequenceTiles, batch_and_head, cta_position, dropout_rows, key_terms_size, load_key_terms,
+                       load_row_values, locate_tile, query_rows, rescale_rows, row_values_size, softmax_tile,
+                       store_output, to_a_fragments, unmasked_softmax_tile)
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
                          gemm_ss_kmajor, wgmma_op)
 
@@ -163,7 +163,6 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         alpha = T.alloc_local([2], F32)
         meta = T.alloc_buffer((meta_words,), "uint64", scope="shared", align=1024)
         bars, listed_k0 = T.meta_var((meta, meta.view("int32")))  # mbarriers | staged tile list
-        offset = T.meta_var(capped_offset(tscore, scale, dt))  # a lone softcap's fixed offset (bf16)
         if q0 < lq:  # a packed tile between two sequences' tiles has no rows
             if tscore.row_values > 0:
                 load_row_values(rowv, tscore, 1, bs, h, q0 + row0, lane)
@@ -197,7 +196,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                 if tscore.tile_unmasked(q0, T.min(q0 + BM, lq), k0, k0 + BN, TileAt(bs, h, (BM, BN)), full):
                     unmasked_softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, scale, index, k0, k0 + BN, q0,
                                           T.min(q0 + BM, lq), kt, lane, fold_scale=True, interleave=WS,
-                                          poly=knobs["wgmma_poly_exp2"], fixed=None if offset is None else offset[0])
+                                          poly=knobs["wgmma_poly_exp2"])
                 else:
                     softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, scale, index, k0, lane, True)
                 if score.dropout is not None:  # l has the undropped P; O takes P Z
@@ -253,7 +252,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             for i in T.unroll(ND * 4):
                 o[i] = T.float32(0)
             for i in T.unroll(2):
-                m[i] = initial_max(offset)
+                m[i] = T.min_value(F32)
                 l[i] = T.float32(0)
             encode_desc(desc_k, pool, 16, ATOM_BYTES)
             encode_desc(desc_v, pool, BN * 128, ATOM_BYTES)

@@ -412,19 +412,15 @@ def raw_row_max(dst, i, m_row, s, mt, hh, ns, scale, log2_scale):
 
 
 @T.inline
-def row_exponents(s, m, l, alpha, mt, hh, ns, mx, raw, log2_scale, row_term=None, poly=0, fixed=False):
+def row_exponents(s, m, l, alpha, mt, hh, ns, mx, raw, log2_scale, row_term=None, poly=0):
     """Row hh of m-tile mt with its new max mx (log2 units, in a register): the rescale factor
-    into alpha, m and l moved to it, then P = exp2(S - mx) and its sum; `raw` scores take the scale in the same
-    multiply-add. `row_term`: S holds scores without this row's share of a split bias
-    (`split_bias_tile`), so P = exp2(S - (mx - row_term)). `poly` (raw scores): of each 8 n8
-    tiles, the first `poly` take `poly_exp2_into`, not MUFU.EX2. `fixed`: mx is m, a fixed
-    offset (`capped_offset`): no factor, m and l stay."""
-    if fixed:
-        alpha[mt * 2 + hh] = T.float32(1)
-    else:
-        exp2_into(alpha[mt * 2 + hh], m[mt * 2 + hh] - mx)
-        m[mt * 2 + hh] = mx
-        l[mt * 2 + hh] = l[mt * 2 + hh] * alpha[mt * 2 + hh]
+    into alpha, m and l moved to it, then P = exp2(S - mx) and its sum; `raw` scores take the
+    scale in the same multiply-add. `row_term`: S holds scores without this row's share of a
+    split bias (`split_bias_tile`), so P = exp2(S - (mx - row_term)). `poly` (raw scores): of
+    each 8 n8 tiles, the first `poly` take `poly_exp2_into`, not MUFU.EX2."""
+    exp2_into(alpha[mt * 2 + hh], m[mt * 2 + hh] - mx)
+    m[mt * 2 + hh] = mx
+    l[mt * 2 + hh] = l[mt * 2 + hh] * alpha[mt * 2 + hh]
     for nt in T.unroll(ns):
         for e in T.unroll(2):
             idx = T.meta_var((mt * ns + nt) * 4 + hh * 2 + e)
@@ -439,51 +435,6 @@ def row_exponents(s, m, l, alpha, mt, hh, ns, mx, raw, log2_scale, row_term=None
             l[mt * 2 + hh] = l[mt * 2 + hh] + s[idx]
 
 
-@T.inline
-def raw_row_exponents(s, m, l, alpha, mt, ns, mx, factor, log2_scale, poly, interleave):
-    """`row_exponents` of m-tile mt's two rows of raw scores after their new maxima; with
-    `interleave` both rows' maxima and shuffles side by side, then their exponents."""
-    if interleave:
-        for hh in T.unroll(2):
-            raw_row_max(mx, hh, m[mt * 2 + hh], s, mt, hh, ns, factor, log2_scale)
-        for hh in T.unroll(2):
-            mx[hh] = T.cuda.warp_max(mx[hh], width=4)
-        for hh in T.unroll(2):
-            row_exponents(s, m, l, alpha, mt, hh, ns, mx[hh], True, log2_scale, poly=poly)
-    else:
-        for hh in T.unroll(2):
-            raw_row_max(mx, 0, m[mt * 2 + hh], s, mt, hh, ns, factor, log2_scale)
-            mx[0] = T.cuda.warp_max(mx[0], width=4)
-            row_exponents(s, m, l, alpha, mt, hh, ns, mx[0], True, log2_scale, poly=poly)
-
-
-# A lone softcap bounds every modified score to [-c, c], so a bf16 forward may subtract a fixed
-# offset mu (in m from the start) where the online softmax subtracts the running row max: no
-# maxima, shuffles or rescale a tile. P = e^(c t - mu) then lies in [e^(-c - mu), e^(c - mu)];
-# mu = min(c, CAP_SPAN - c) keeps that inside [e^-85, e^40]: a row of only -c scores stays
-# above fp32's and bf16's smallest normal (2^-126 ~ e^-87.3), and sums and P V far below their
-# largest (~e^88.7). That needs c <= (CAP_SPAN + 40) / 2; larger caps (and fp16's narrow P)
-# take the running max.
-CAP_SPAN = 85.0
-FIXED_OFFSET_MAX_CAP = (CAP_SPAN + 40.0) / 2
-
-
-def capped_offset(score, scale, dtype: str):
-    """(runtime condition, offset mu log2 e) for a bf16 forward of a lone softcap (see above),
-    else None."""
-    values = score.squashed_values(scale)
-    if values is None or dtype != "bfloat16":
-        return None
-    cap = values[1]
-    return cap <= T.float32(FIXED_OFFSET_MAX_CAP), T.min(cap, T.float32(CAP_SPAN) - cap) * T.float32(LOG2E)
-
-
-def initial_max(offset):
-    """m's start: a `capped_offset`'s offset where its condition holds, else the lowest float."""
-    lowest = T.min_value("float32")
-    return lowest if offset is None else T.Select(offset[0], offset[1], lowest)
-
-
 def raw_values(score, scale, unmasked: bool):
     """(squashed, a, factor) for softmax_tile: on an unmasked tile of a pipeline whose only value
     modifier is a softcap (`ScorePipeline.squashed_values`), squashed with tanh's factor a and
@@ -494,7 +445,7 @@ def raw_values(score, scale, unmasked: bool):
 
 @T.inline
 def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, masked, fold_scale=False, interleave=False,
-                 poly=0, fixed=None):
+                 poly=0):
     """One K/V tile of the forward's online softmax on accumulator fragments: n_mt m-tiles of
     16 rows, ns n8 tiles of scores S (k0: the tile's first key). Scores go to the exp2 domain;
     m is the running max and l this lane's partial row sum (two rows per m-tile: g and g + 8,
@@ -505,9 +456,7 @@ def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, ma
     side (mx: 2 registers), for a warp that runs its softmax alone on its scheduler (the
     warp-specialized forward: 4-5% faster there; 1-5% slower in lockstep, where the other
     warpgroup's softmax hides the latency). `poly`: eighths of a squashed (softcap) tile's
-    exponents that take `poly_exp2_into` (tanh and exp2 both on MUFU bound it). `fixed`: the
-    runtime condition of `capped_offset`, under which a squashed tile's rows keep their offset
-    in m (no maxima, shuffles or rescale)."""
+    exponents that take `poly_exp2_into` (tanh and exp2 both on MUFU bound it)."""
     by_key = T.meta_var(score.col_values > 0 and (masked or score.changes_values))
     # With `fold_scale`, scores a tile leaves unmodified stay raw: their row max is taken first
     # and scaled once, then each exponent is one multiply-add (s * scale log2 e - max). Scaling
@@ -532,31 +481,32 @@ def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, ma
                     for hh in T.unroll(2):
                         modified_score(s, (mt * ns + nt) * 4 + hh * 2 + e, score, scale, masked,
                                        with_kv_parts(index, mt, hh, base=k0 + lane % 4 * 2, offset=nt * 8 + e, col=col))
-        if squashed and fixed is not None:
-            if fixed:  # a fixed offset in m (`capped_offset`): no maxima
-                for hh in T.unroll(2):
-                    row_exponents(s, m, l, alpha, mt, hh, ns, m[mt * 2 + hh], raw, log2_scale, poly=poly_tiles,
-                                  fixed=True)
-            else:
-                raw_row_exponents(s, m, l, alpha, mt, ns, mx, factor, log2_scale, poly_tiles, interleave)
-        elif raw:
-            raw_row_exponents(s, m, l, alpha, mt, ns, mx, factor, log2_scale, poly_tiles, interleave)
+        if raw and interleave:  # both rows' maxima and shuffles side by side, then their exponents
+            for hh in T.unroll(2):
+                raw_row_max(mx, hh, m[mt * 2 + hh], s, mt, hh, ns, factor, log2_scale)
+            for hh in T.unroll(2):
+                mx[hh] = T.cuda.warp_max(mx[hh], width=4)
+            for hh in T.unroll(2):
+                row_exponents(s, m, l, alpha, mt, hh, ns, mx[hh], raw, log2_scale, poly=poly_tiles)
         else:
             for hh in T.unroll(2):
-                mx[0] = m[mt * 2 + hh]
-                banded, lo, hi = T.meta_var(band_offsets(score, index, mt, hh, k0 + lane % 4 * 2, ns * 8,
-                                                         masked and not by_key))
-                for nt in T.unroll(ns):
-                    for e in T.unroll(2):
-                        idx = T.meta_var((mt * ns + nt) * 4 + hh * 2 + e)
-                        ix = T.meta_var(with_kv_parts(index, mt, hh, base=k0 + lane % 4 * 2, offset=nt * 8 + e))
-                        if banded:
-                            banded_score(s, idx, score, scale, lo, hi, nt * 8 + e, ix)
-                        elif not by_key:
-                            modified_score(s, idx, score, scale, masked, ix)
-                        mx[0] = T.max(mx[0], s[idx])
+                if raw:
+                    raw_row_max(mx, 0, m[mt * 2 + hh], s, mt, hh, ns, factor, log2_scale)
+                else:
+                    mx[0] = m[mt * 2 + hh]
+                    banded, lo, hi = T.meta_var(band_offsets(score, index, mt, hh, k0 + lane % 4 * 2, ns * 8,
+                                                             masked and not by_key))
+                    for nt in T.unroll(ns):
+                        for e in T.unroll(2):
+                            idx = T.meta_var((mt * ns + nt) * 4 + hh * 2 + e)
+                            ix = T.meta_var(with_kv_parts(index, mt, hh, base=k0 + lane % 4 * 2, offset=nt * 8 + e))
+                            if banded:
+                                banded_score(s, idx, score, scale, lo, hi, nt * 8 + e, ix)
+                            elif not by_key:
+                                modified_score(s, idx, score, scale, masked, ix)
+                            mx[0] = T.max(mx[0], s[idx])
                 mx[0] = T.cuda.warp_max(mx[0], width=4)
-                row_exponents(s, m, l, alpha, mt, hh, ns, mx[0], False, log2_scale)
+                row_exponents(s, m, l, alpha, mt, hh, ns, mx[0], raw, log2_scale, poly=poly_tiles)
 
 
 def key_terms_size(score) -> int:
@@ -623,7 +573,7 @@ def split_bias_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, kt, s
 
 @T.inline
 def unmasked_softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, kv_hi, q_lo, q_hi, kt, lane,
-                          fold_scale=False, interleave=False, poly=0, fixed=None):
+                          fold_scale=False, interleave=False, poly=0):
     """softmax_tile for a tile [q_lo, q_hi) x [k0, kv_hi) that `tile_unmasked` proved whole:
     `split_bias_tile` where the bias splits there (kt: `load_key_terms`'s registers)."""
     side = T.meta_var(score.bias_side(q_lo, q_hi, k0, kv_hi))
@@ -632,8 +582,7 @@ def unmasked_softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0,
     elif side == -1:
         split_bias_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, kt, -1, interleave)
     else:
-        softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, False, fold_scale, interleave, poly,
-                     fixed)
+        softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, False, fold_scale, interleave, poly)
 
 
 @T.inline
