@@ -317,9 +317,9 @@ def test_cuda_softcap_under_a_scale_of_either_sign(scale, dtype, d, causal):
 @needs_gpu
 @pytest.mark.parametrize("cap", [5.0, 50.0, 200.0])
 def test_cuda_softcap_keeps_saturated_rows(cap):
-    """A softcap's rows whose scores all sit near -cap or +cap (tanh saturated: e^-2cap apart
-    from any larger score), ordinary rows and rows with no key (bottom-right causal, Lq > Lk)
-    match a float64 reference, o and lse, on the bf16 wgmma forward."""
+    """A softcap's rows whose scores all sit near -cap or +cap (tanh saturated: the row's
+    probabilities all but equal), ordinary rows and rows with no key (bottom-right causal,
+    Lq > Lk) match a float64 reference, o and lse, on the bf16 wgmma forward."""
     g = torch.Generator(device="cuda").manual_seed(5)
     q = torch.randn(2, 4, 300, 128, device="cuda", generator=g)
     k, v = (torch.randn(2, 4, 190, 128, device="cuda", generator=g) for _ in range(2))
