@@ -2,6 +2,9 @@
 on any machine with the TVM compiler and nvcc, so the GPU machine needs only TVM's runtime.
 
     python scripts/device_prebuild.py [NAME_PART ...]   # only specs whose name holds one of them
+
+Specs build in parallel, one process a core (TVMFLASH_PREBUILD_JOBS=N to change;
+`build.build_many`): each is a single-threaded compile and an nvcc run, ~10 s.
 """
 import itertools
 import os
@@ -44,6 +47,6 @@ specs.update(decode_bench_specs())
 if len(sys.argv) > 1:
     specs = {s for s in specs if any(part in s.name for part in sys.argv[1:])}
 start = time.time()
-for spec in sorted(specs, key=lambda s: s.name):
-    build.build_cached(spec, build.cuda_target("sm_90a"))
+jobs = int(os.environ.get("TVMFLASH_PREBUILD_JOBS", 0)) or None
+build.build_many(specs, build.cuda_target("sm_90a"), jobs)
 print(f"{len(specs)} specs in {build.cache_dir()} ({time.time() - start:.0f} s)")

@@ -2,7 +2,7 @@
 .devcache/cpu/ (or $TVMFLASH_CACHE_DIR), on any machine with the TVM compiler, so the GPU
 machine's Xeon needs only TVM's runtime: the specs of tests/test_avx512.py and of the benchmark.
 
-    python scripts/device_prebuild_cpu.py
+    python scripts/device_prebuild_cpu.py    # one build process a core (TVMFLASH_PREBUILD_JOBS=N)
 """
 import os
 import sys
@@ -32,7 +32,6 @@ from decode_bench import specs as decode_bench_specs  # noqa: E402
 
 specs |= decode_bench_specs()  # scripts/decode_bench.py on the Xeon (flash_attn_with_kvcache)
 start = time.time()
-for spec in sorted(specs, key=lambda s: s.name):
-    build.build_cached(spec, build.AVX512_TARGET)
+build.build_many(specs, build.AVX512_TARGET, int(os.environ.get("TVMFLASH_PREBUILD_JOBS", 0)) or None)
 torch_thread_launcher(str(build.cache_dir()))  # the OpenMP launcher too (the Xeon may lack a C compiler)
 print(f"{len(specs)} specs in {build.cache_dir()} ({time.time() - start:.0f} s)")

@@ -91,3 +91,33 @@ def test_a_tvm_version_change_is_a_new_module_key(monkeypatch):
     key = build.module_key(spec, target)
     monkeypatch.setattr(tvm, "__version__", "0.28.0")
     assert build.module_key(spec, target) != key
+
+
+BUILD_MANY = """
+import os, sys
+from tvmflash import build
+from tvmflash.spec import AttentionSpec
+specs = [AttentionSpec("float32", 16), AttentionSpec("float32", 16, causal="bottom_right")]
+build.build_many(specs, build.cpu_target(), jobs=2)
+print(" ".join(str(build.library_path(s, build.cpu_target())) for s in specs))
+"""
+
+
+def test_build_many_fills_the_cache_from_forked_workers(built_cache, tmp_path):
+    """`build.build_many` (the device prebuild scripts) with two worker processes: a spec the
+    cache holds is kept, the missing one is built once, and both are intact afterwards."""
+    from tvmflash import build
+
+    cache = tmp_path / "cache"
+    shutil.copytree(built_cache, cache)
+    held = next(cache.glob("*.so"))
+    held_stat = held.stat()
+    env = {**os.environ, "TVMFLASH_CACHE_DIR": str(cache)}
+    env.pop("TVMFLASH_QUIET", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", BUILD_MANY], env=env, text=True, capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    libs = [Path(p) for p in proc.stdout.split()]
+    assert held in libs and held.stat().st_mtime_ns == held_stat.st_mtime_ns
+    assert proc.stderr.count("tvmflash: building") == 1
+    assert all(build._is_intact(lib) for lib in libs)

@@ -18,6 +18,7 @@ import ctypes
 import functools
 import hashlib
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -354,6 +355,36 @@ def build_cached(spec: AttentionSpec, target: dict, rebuild: bool = False) -> Pa
         _write_atomic(lib.with_suffix(".sha256"), lambda p: Path(p).write_text(_digest(lib)))
         _log(f"built {spec.name} in {time.perf_counter() - start:.1f} s")
     return lib
+
+
+# build_many's work list, set before its workers fork (tasks carry only an index: flex specs
+# hold traced programs, which do not pickle)
+_forked_work = None
+
+
+def build_many(specs, target: dict, jobs: int | None = None) -> None:
+    """`build_cached` every spec of `specs`, `jobs` processes at once (default: one a core; a
+    build is a single-threaded compile, plus nvcc for CUDA); the cache's file locks keep the
+    workers apart."""
+    global _forked_work
+    ordered = sorted(specs, key=lambda s: s.name)
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(ordered)))
+    if jobs == 1:
+        for spec in ordered:
+            build_cached(spec, target)
+        return
+    _forked_work = (ordered, target)
+    try:
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            for _ in pool.imap_unordered(_build_forked, range(len(ordered))):
+                pass
+    finally:
+        _forked_work = None
+
+
+def _build_forked(index: int) -> None:
+    specs, target = _forked_work
+    build_cached(specs[index], target)
 
 
 def load_cached(spec: AttentionSpec, target: dict | None = None) -> dict:
