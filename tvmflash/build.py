@@ -363,12 +363,13 @@ _forked_work = None
 
 
 def build_many(specs, target: dict, jobs: int | None = None) -> None:
-    """`build_cached` every spec of `specs`, `jobs` processes at once (default: one a core; a
-    build is a single-threaded compile, plus nvcc for CUDA); the cache's file locks keep the
-    workers apart."""
+    """`build_cached` every spec of `specs`, `jobs` processes at once (default:
+    $TVMFLASH_PREBUILD_JOBS, else one a core; a build is a single-threaded compile, plus nvcc
+    for CUDA); the cache's file locks keep the workers apart."""
     global _forked_work
     ordered = sorted(specs, key=lambda s: s.name)
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(ordered)))
+    jobs = jobs or int(os.environ.get("TVMFLASH_PREBUILD_JOBS", 0)) or os.cpu_count() or 1
+    jobs = max(1, min(jobs, len(ordered)))
     if jobs == 1:
         for spec in ordered:
             build_cached(spec, target)
