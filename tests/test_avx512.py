@@ -68,6 +68,20 @@ def test_asm_bf16_backward_keeps_modified_scores_in_vectors():
         assert asm[name].count("vfmadd213ps\t%zmm") + asm[name].count("vfmadd231ps\t%zmm") >= 8, name
 
 
+def test_asm_flex_capture_backward_builds_for_amx():
+    """A score_mod that gathers from a captured table at q - kv (relative bias) builds for the
+    AMX backward: TVM's TIR CSE let-bound its 128-lane gather index and its bound analysis
+    aborted the build (CI on an AMX machine); such modules now leave CSE to LLVM."""
+    from tvmflash.build import build_module
+    from tvmflash.flex import trace
+
+    bias = torch.zeros(4, 600)
+    program, _ = trace(lambda s, b, h, q, kv: s + bias[h, q - kv + 300], "score")
+    spec = AttentionSpec("bfloat16", 64, flex=(("score", program, None),))
+    asm = build_module(spec, SPR, only=("backward_dkdv", "backward_dq")).mod.inspect_source("asm")
+    assert asm.count("tdpbf16ps") >= 4 * (4 + 3)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_asm_fp32_and_fp16_run_on_zmm_fmas(dtype):
     asm = spr_asm(AttentionSpec(dtype, 64))

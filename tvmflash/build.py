@@ -213,7 +213,12 @@ def _build_cpu(spec: AttentionSpec, target: dict, knobs: dict | None = None, onl
     sch = tvm.s_tir.Schedule(tvm.IRModule(funcs))
     for kernel in funcs:
         schedule.schedule(sch, kernel, target, knobs)
-    return tvm.compile(sch.mod, target=tvm.target.Target(target))
+    # TVM 0.27's TIR CSE binds a flex capture's vector gather index (int64x128 on the AMX
+    # backward) to a let whose bound analysis builds an ill-typed Select and aborts the build;
+    # LLVM eliminates the same common subexpressions, so such modules skip TIR's pass
+    gathers = any(program.captures for _, program, _ in spec.flex)
+    with tvm.transform.PassContext(config={"tirx.disable_cse_tir": gathers}):
+        return tvm.compile(sch.mod, target=tvm.target.Target(target))
 
 
 def cuda_kernels(spec: AttentionSpec, arch: str, knobs: dict | None = None) -> dict:
