@@ -367,30 +367,38 @@ def build_cached(spec: AttentionSpec, target: dict, rebuild: bool = False) -> Pa
 _forked_work = None
 
 
-def build_many(specs, target: dict, jobs: int | None = None) -> None:
+def build_many(specs, target: dict, jobs: int | None = None, on_built=None) -> None:
     """`build_cached` every spec of `specs`, `jobs` processes at once (default:
     $TVMFLASH_PREBUILD_JOBS, else one a core; a build is a single-threaded compile, plus nvcc
-    for CUDA); the cache's file locks keep the workers apart."""
+    for CUDA); the cache's file locks keep the workers apart. `on_built(spec, seconds,
+    was_cached)` is called here as each one is done (progress)."""
     global _forked_work
     ordered = sorted(specs, key=lambda s: s.name)
     jobs = jobs or int(os.environ.get("TVMFLASH_PREBUILD_JOBS", 0)) or os.cpu_count() or 1
     jobs = max(1, min(jobs, len(ordered)))
+    report = on_built or (lambda spec, seconds, was_cached: None)
     if jobs == 1:
-        for spec in ordered:
-            build_cached(spec, target)
+        for index in range(len(ordered)):
+            report(ordered[index], *_build_timed(ordered, target, index))
         return
     _forked_work = (ordered, target)
     try:
         with multiprocessing.get_context("fork").Pool(jobs) as pool:
-            for _ in pool.imap_unordered(_build_forked, range(len(ordered))):
-                pass
+            for index, seconds, was_cached in pool.imap_unordered(_build_forked, range(len(ordered))):
+                report(ordered[index], seconds, was_cached)
     finally:
         _forked_work = None
 
 
-def _build_forked(index: int) -> None:
-    specs, target = _forked_work
+def _build_timed(specs, target: dict, index: int) -> tuple:
+    was_cached = _is_intact(library_path(specs[index], target))
+    start = time.perf_counter()
     build_cached(specs[index], target)
+    return time.perf_counter() - start, was_cached
+
+
+def _build_forked(index: int) -> tuple:
+    return (index, *_build_timed(*_forked_work, index))
 
 
 def load_cached(spec: AttentionSpec, target: dict | None = None) -> dict:

@@ -117,29 +117,24 @@ def _target(target: Target, arch: Optional[str], mcpu: Optional[str]) -> dict:
 
 
 def _build_specs(console, specs: list, target: dict, out: Optional[Path]) -> None:
-    """Build each spec's module for `target` into the cache (and export them to `out`), with
-    a progress bar (a cold build takes seconds to minutes per spec)."""
-    import time
-
+    """Build each spec's module for `target` into the cache, one process a core
+    (`build.build_many`), with a progress bar (a cold build takes seconds to minutes per spec),
+    and export them to `out`."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tvmflash import build, deploy
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as bar:
-        task = bar.add_task(f"building for {build.target_label(target)}", total=len(specs))
-        for spec in specs:
-            bar.update(task, description=f"{spec.name} ({build.target_label(target)})")
-            start = time.perf_counter()
-            cached = build.library_path(spec, target).exists()
-            if out is not None:
-                deploy.export([spec], target, out)
-            else:
-                build.build_cached(spec, target)
-            how = "cached" if cached else "built"
-            bar.console.print(f"{spec.name}: {how} in {time.perf_counter() - start:.1f} s")
+        task = bar.add_task(f"building {len(specs)} modules for {build.target_label(target)}", total=len(specs))
+
+        def built(spec, seconds, was_cached):
+            bar.console.print(f"{spec.name}: {'cached' if was_cached else f'built in {seconds:.1f} s'}")
             bar.update(task, advance=1)
+
+        build.build_many(specs, target, on_built=built)
     if out is not None:
+        deploy.export(specs, target, out)  # from the cache just filled
         console.print(f"manifest: {out / deploy.MANIFEST}")
 
 
