@@ -10,6 +10,9 @@ matmuls of a (kv-block, q-block) step run on AMX tiles, on S^T-shaped (keys x qu
     dK  += dS^T . Q          A: dS^T rows (bf16, per step)  B: Q pairs over queries  (packed)
     dQ^T += K^T . dS^T       A: K^T rows                    B: dS^T pairs over keys (per step)
 
+With dropout, dV takes (P Z)^T and dS = P (dP Z - delta), Z^T the step's factors
+(`dropout_tile`, S^T-shaped).
+
 `backward_amx_pack_kernel` writes the seven packed operands once per call, zero-padded to a
 multiple of `pad` rows, so tile loads stay in bounds and padded rows contribute exactly 0. The
 fused plan accumulates dQ^T in an fp32 (B, H, D, Lq_padded) scratch owned by its task. Q is not
@@ -23,9 +26,10 @@ from tvm.script import tirx as T
 
 from ..kernels.backward import declare_backward_inputs, load_row_stats
 from ..kernels.common import F32, KernelArgs, Shape, fast_exp
+from ..kernels.dropout import dropout_buffers, dropout_tile
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
 from .amx import BF16, PAIR, bf16_pairs, bf16_row, configure_tiles, pair_bits, release_tiles, tile_gemm
-from .amx_forward import amx_supported, modified
+from .amx_forward import amx_supported, dropped, modified, z_rows
 
 __all__ = ["amx_supported", "backward_amx_pack_kernel", "backward_amx_kernel"]
 
@@ -123,8 +127,9 @@ def key_kept(value, inside, masked: bool):
 
 
 @T.inline
-def step_gradients(score, scale, sT, dpT, pT, dsT, lse_t, delta_t, b, h, q0, k0, BQ, BK, LQ, LK, masked):
-    """P^T and dS^T of a step's tile, 16 queries a vector; `masked`: the tile is not whole."""
+def step_gradients(score, scale, sT, dpT, pT, dsT, zT, lse_t, delta_t, b, h, q0, k0, BQ, BK, LQ, LK, masked):
+    """P^T and dS^T of a step's tile, 16 queries a vector; `masked`: the tile is not whole.
+    With dropout dS = P (dP Z - delta), Z its factors (`zT`)."""
     for j in T.serial(BK):
         for i in T.vectorized(BQ):
             with T.sblock("p" if masked else "p_whole"):
@@ -136,13 +141,16 @@ def step_gradients(score, scale, sT, dpT, pT, dsT, lse_t, delta_t, b, h, q0, k0,
         for i in T.vectorized(BQ):
             with T.sblock("ds" if masked else "ds_whole"):
                 vj, vi = T.axis.remap("SS", [j, i])
-                dsT[vj, vi] = pT[vj, vi] * (dpT[vj, vi] - delta_t[vi]) * score.grad(
+                dsT[vj, vi] = pT[vj, vi] * (dropped(dpT[vj, vi], zT, vj, vi, score.dropout is not None)
+                                            - delta_t[vi]) * score.grad(
                     sT[vj, vi] * scale, step_index(b, h, q0, k0, vi, vj, LQ, LK, masked))
 
 
 @T.inline
-def score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, lse_t, delta_t, b, h, hk, q0, k0, BQ, BK, D, LQ, LK):
-    """P^T and dS^T (fp32, keys x queries) of one (kv-block, q-block) step."""
+def score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, words, zT, lse_t, delta_t, b, h, hk, q0, k0, BQ, BK, D,
+                    LQ, LK):
+    """P^T and dS^T (fp32, keys x queries) of one (kv-block, q-block) step, and with dropout
+    its factors Z^T (`zT`, from the Philox `words`)."""
     with T.sblock("qk_amx"):  # S^T = K . Q^T
         T.reads(P.kp[b, hk, k0:k0 + BK, 0:D], P.qd[b, h, 0:D // 2, q0:q0 + BQ], cfg[0:64])
         T.writes(sT[0:BK, 0:BQ])
@@ -155,14 +163,16 @@ def score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, lse_t, delta_t, b, h
         tile_gemm(lambda r, c: T.address_of(dpT[r, c]), BQ * 4,
                   lambda r, c: T.address_of(P.vp[b, hk, k0 + r, c]), P.vp.strides[2] * 2,
                   lambda r, c: T.address_of(P.dod[b, h, r, q0 + c]), P.dod.strides[2] * 4, BK, BQ, D, False)
+    if score.dropout is not None:
+        dropout_tile(score.dropout, words, zT, None, b, h, q0, k0, BQ, BK, True)
     # P^T and dS^T in 16-lane vectors written here: left to LLVM's loop vectorizer, the
     # loops ran scalar wherever a modifier indexed scores (ALiBi, windows: 8-10x and 4x the
     # plain backward on the Xeon). Whole tiles (`tile_unmasked`) take only the value
     # modifiers, without the per-score clamps and masks.
     if score.tile_unmasked(q0, q0 + BQ, k0, k0 + BK):
-        step_gradients(score, scale, sT, dpT, pT, dsT, lse_t, delta_t, b, h, q0, k0, BQ, BK, LQ, LK, False)
+        step_gradients(score, scale, sT, dpT, pT, dsT, zT, lse_t, delta_t, b, h, q0, k0, BQ, BK, LQ, LK, False)
     else:
-        step_gradients(score, scale, sT, dpT, pT, dsT, lse_t, delta_t, b, h, q0, k0, BQ, BK, LQ, LK, True)
+        step_gradients(score, scale, sT, dpT, pT, dsT, zT, lse_t, delta_t, b, h, q0, k0, BQ, BK, LQ, LK, True)
 
 
 @T.inline
@@ -205,6 +215,8 @@ def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str) -> tirx.Pri
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
     args = KernelArgs()
     fused = plan == "fused"
+    dropout = "dropout" in spec.variants
+    WORDS_SHAPE, Z_SHAPE = dropout_buffers(spec, BQ, BK, transposed=True)
 
     def declare():
         q, k, v, do, lse, delta = declare_backward_inputs(spec, shape, args)
@@ -219,7 +231,7 @@ def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str) -> tirx.Pri
         return lse, delta, dk, dv, dq, dq_accT, scale, score, packs
 
     if plan == "dq":
-        return _dq_kernel(declare, shape, D, BQ, BK, dt)
+        return _dq_kernel(declare, shape, D, BQ, BK, dt, WORDS_SHAPE, Z_SHAPE)
 
     @T.prim_func(s_tir=True)
     def dkdv_fn():
@@ -264,18 +276,23 @@ def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str) -> tirx.Pri
                                 dsT = T.sblock_alloc_buffer((BK, BQ), F32)
                                 pa = T.sblock_alloc_buffer((BK, BQ // 2), PAIR)  # bf16 rows
                                 dsa = T.sblock_alloc_buffer((BK, BQ // 2), PAIR)
+                                words = T.sblock_alloc_buffer(WORDS_SHAPE, "uint32")  # dropout's Philox words
+                                zT = T.sblock_alloc_buffer(Z_SHAPE, F32)  # and factors Z^T
                                 vh = T.meta_var(vhk * G + vg)
                                 q0 = T.meta_var(vqb * BQ)
                                 load_row_stats(LSE, DELTA, lse_t, delta_t, vb, vh, q0, BQ, LQ)
-                                score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, lse_t, delta_t,
+                                score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, words, zT, lse_t, delta_t,
                                                 vb, vh, vhk, q0, k0, BQ, BK, D, LQ, LK)
-                                for j, c in T.grid(BK, BQ // 32):
+                                for j, c in T.grid(BK, BQ // 32):  # dV takes (P Z)^T with dropout
                                     with T.sblock("pack_pa"):
                                         vj, vc = T.axis.remap("SS", [j, c])
-                                        T.reads(pT[vj, vc * 32:vc * 32 + 32], dsT[vj, vc * 32:vc * 32 + 32])
+                                        T.reads(pT[vj, vc * 32:vc * 32 + 32], dsT[vj, vc * 32:vc * 32 + 32],
+                                                z_rows(zT, vj, 1, BQ, dropout))
                                         T.writes(pa[vj, vc * 16:vc * 16 + 16], dsa[vj, vc * 16:vc * 16 + 16])
-                                        pa[vj, T.Ramp(vc * 16, 1, 16)] = bf16_row(pT[vj, T.Ramp(vc * 32, 1, 16)],
-                                                                                  pT[vj, T.Ramp(vc * 32 + 16, 1, 16)])
+                                        pa[vj, T.Ramp(vc * 16, 1, 16)] = bf16_row(
+                                            dropped(pT[vj, T.Ramp(vc * 32, 1, 16)], zT, vj, T.Ramp(vc * 32, 1, 16), dropout),
+                                            dropped(pT[vj, T.Ramp(vc * 32 + 16, 1, 16)], zT, vj, T.Ramp(vc * 32 + 16, 1, 16),
+                                                    dropout))
                                         dsa[vj, T.Ramp(vc * 16, 1, 16)] = bf16_row(dsT[vj, T.Ramp(vc * 32, 1, 16)],
                                                                                    dsT[vj, T.Ramp(vc * 32 + 16, 1, 16)])
                                 accumulate_rows("dv_amx", dv_acc, pa, P.doq, cfg, vb, vh, q0, BK, BQ, D)  # dV += P^T dO
@@ -302,7 +319,7 @@ def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str) -> tirx.Pri
     return dkdv_fn.with_attr("global_symbol", "backward_fused" if fused else "backward_dkdv")
 
 
-def _dq_kernel(declare, shape: Shape, D: int, BQ: int, BK: int, dt: str) -> tirx.PrimFunc:
+def _dq_kernel(declare, shape: Shape, D: int, BQ: int, BK: int, dt: str, WORDS_SHAPE, Z_SHAPE) -> tirx.PrimFunc:
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
 
     @T.prim_func(s_tir=True)
@@ -336,8 +353,10 @@ def _dq_kernel(declare, shape: Shape, D: int, BQ: int, BK: int, dt: str) -> tirx
                         pT = T.sblock_alloc_buffer((BK, BQ), F32)
                         dsT = T.sblock_alloc_buffer((BK, BQ), F32)
                         dsb = T.sblock_alloc_buffer((BK // 2, BQ), PAIR)
+                        words = T.sblock_alloc_buffer(WORDS_SHAPE, "uint32")
+                        zT = T.sblock_alloc_buffer(Z_SHAPE, F32)
                         k0 = T.meta_var(vkb * BK)
-                        score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, lse_t, delta_t,
+                        score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, words, zT, lse_t, delta_t,
                                         vb, vh, vhk, q0, k0, BQ, BK, D, LQ, LK)
                         accumulate_dq(P, cfg, lambda r, c: T.address_of(dq_accT[r, c]), BQ * 4, dq_accT[0:D, 0:BQ],
                                       dsT, dsb, vhk, vb, k0, BQ, BK, D)

@@ -17,6 +17,10 @@ taken, O^T and l rescaled and P recomputed. (Interleaving the tile units of the 
 previous blocks with this pass, so the tile and vector units would work at once, measured no
 faster: the tile side is bound by its loads and stores, which the vector side shares.)
 
+**Dropout** (flash-attn's semantics, `kernels/dropout.py`): each kv block's factors Z come
+from its Philox words into an S^T-shaped tile (`dropout_tile`), and P is multiplied by them where
+it is packed for P.V; the row sums take the undropped P.
+
 `forward_amx_pack_kernel` writes K (zero-padded rows) and V^T (zero-padded columns) once per
 (batch, kv-head), padded to a multiple of `kv_pad` keys (the caller allocates them), so every
 tile load is in bounds and padded keys give exactly 0 (their probabilities are set to 0).
@@ -32,6 +36,7 @@ from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
 from ..kernels.common import F32, LOG2E, NEG_INF, KernelArgs, Shape, fast_exp
+from ..kernels.dropout import Dropout, dropout_buffers, dropout_tile
 from ..kernels.forward import declare_forward_args
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
 from .amx import BF16, PAIR, bf16_pairs, configure_tiles, exp2_16, pair_bits, release_tiles, tile_gemm
@@ -41,8 +46,24 @@ NEG_INF16 = tirx.Broadcast(NEG_INF, 16)
 
 
 def amx_supported(spec: AttentionSpec) -> bool:
-    """bf16, head dims of multiples of 32, no dropout (the generic kernels apply it)."""
-    return spec.dtype == BF16 and spec.head_dim % 32 == 0 and "dropout" not in spec.variants
+    """bf16 with head dims of multiples of 32."""
+    return spec.dtype == BF16 and spec.head_dim % 32 == 0
+
+
+def score_modifiers(spec: AttentionSpec) -> bool:
+    """Whether `spec` modifies scores (dropout acts on probabilities: `dropped`)."""
+    return any(not isinstance(m, Dropout) for m in spec.modifiers())
+
+
+def dropped(p, zT, j, cols, dropout: bool):
+    """P of key row j, queries `cols`, times dropout's factors Z (S^T-shaped `zT`,
+    `dropout_tile`), which the P.V operand takes (the row sums take P)."""
+    return p * zT[j, cols] if dropout else p
+
+
+def z_rows(zT, j0, rows: int, cols: int, dropout: bool):
+    """The region of `zT` a block reads (its 1-element stand-in without dropout)."""
+    return zT[j0:j0 + rows, 0:cols] if dropout else zT[0:1, 0:1]
 
 
 def modified(score: ScorePipeline, s, ix: ScoreIndex, masked: bool = True):
@@ -144,11 +165,12 @@ def value_terms(score: ScorePipeline, scale, whole, keyterm, rowterm):
 
 
 @T.inline
-def softmax_pair(name, sT, src_scale, m, pp, ls, p, k0, seqlen_k, block_q, terms=None):
+def softmax_pair(name, sT, src_scale, m, pp, ls, p, k0, seqlen_k, block_q, terms, zT, dropout):
     """Key rows 2p and 2p + 1 of a kv block's S^T: P = 2^(s * src_scale - m) for 16 queries per
-    vector, written as VNNI pairs of the P.V operand and added to the row sums `ls`."""
+    vector, written (times dropout's Z where `dropout`) as VNNI pairs of the P.V operand and
+    added to the row sums `ls`."""
     with T.sblock(name):
-        T.reads(sT[p * 2:p * 2 + 2, 0:block_q], m[0:block_q], ls[0:block_q])
+        T.reads(sT[p * 2:p * 2 + 2, 0:block_q], m[0:block_q], ls[0:block_q], z_rows(zT, p * 2, 2, block_q, dropout))
         T.writes(pp[p, 0:block_q], ls[0:block_q])
         for ic in T.serial(block_q // 16):
             cols = T.meta_var(T.Ramp(ic * 16, 1, 16))
@@ -156,7 +178,7 @@ def softmax_pair(name, sT, src_scale, m, pp, ls, p, k0, seqlen_k, block_q, terms
             # branches it makes of the key checks
             e0 = probabilities(exponent(sT, src_scale, p * 2, cols, m[cols], terms), k0 + p * 2 < seqlen_k)
             e1 = probabilities(exponent(sT, src_scale, p * 2 + 1, cols, m[cols], terms), k0 + p * 2 + 1 < seqlen_k)
-            pp[p, cols] = bf16_pairs(e0, e1)
+            pp[p, cols] = bf16_pairs(dropped(e0, zT, p * 2, cols, dropout), dropped(e1, zT, p * 2 + 1, cols, dropout))
             ls[cols] = ls[cols] + e0 + e1
 
 
@@ -231,7 +253,9 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
     LKP = tirx.Var("seqlen_k_padded", "int64")
     packed = KernelArgs()
-    has_mods = bool(spec.modifiers())
+    has_mods = score_modifiers(spec)
+    dropout = "dropout" in spec.variants
+    WORDS_SHAPE, Z_SHAPE = dropout_buffers(spec, BQ, BK, transposed=True)
     PAIRS = BK // 2
 
     def declare():
@@ -295,6 +319,8 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         grow = T.sblock_alloc_buffer((2,), "int32")  # m may move, m moves
                         keyterm = T.sblock_alloc_buffer((BK,), F32)  # a split bias (bias_terms)
                         rowterm = T.sblock_alloc_buffer((BQ,), F32)
+                        words = T.sblock_alloc_buffer(WORDS_SHAPE, "uint32")  # dropout's Philox words
+                        zT = T.sblock_alloc_buffer(Z_SHAPE, F32)  # and factors Z (S^T-shaped)
                         k0 = T.meta_var(vkb * BK)
                         with T.sblock("qk_amx"):  # S^T = K rows . Q^T
                             T.reads(KP[vb, vhk, k0:k0 + BK, 0:D], qp[0:D // 2, 0:BQ], cfg[0:64])
@@ -307,6 +333,8 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         terms = T.meta_var(value_terms(score, scale, whole, keyterm, rowterm))
                         if score.splits_bias:
                             bias_terms(score, split, side, keyterm, rowterm, vb, vh, q0, k0, BK, BQ)
+                        if dropout:
+                            dropout_tile(score.dropout, words, zT, None, vb, vh, q0, k0, BQ, BK, True)
                         if has_mods:  # modified scores in place (vectorised here, not by a rule)
                             if not whole:  # -inf where masked or past Lk
                                 for j in T.serial(BK):
@@ -336,7 +364,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                 ls[vi] = T.float32(0)
                         if vkb > kb_lo:  # P with the running max m (the first block sets m)
                             for p in T.serial(PAIRS):
-                                softmax_pair("softmax_pack", sT, src_scale, m, pp, ls, p, k0, LK, BQ, terms)
+                                softmax_pair("softmax_pack", sT, src_scale, m, pp, ls, p, k0, LK, BQ, terms, zT, dropout)
                         # m must move if an exponent passed GROW; then some row sum passed 2^GROW
                         with T.sblock("init_grow"):
                             grow[0] = T.Select(vkb == kb_lo, 1, 0)
@@ -365,7 +393,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                         vd, vi = T.axis.remap("SS", [d, i])
                                         accT[vd, vi] = accT[vd, vi] * alpha[vi]
                             for p in T.serial(PAIRS):
-                                softmax_pair("softmax_redo", sT, src_scale, m, pp, ls, p, k0, LK, BQ, terms)
+                                softmax_pair("softmax_redo", sT, src_scale, m, pp, ls, p, k0, LK, BQ, terms, zT, dropout)
                         for i in T.serial(BQ):
                             with T.sblock("l_update"):
                                 vi = T.axis.remap("S", [i])

@@ -57,6 +57,14 @@ def test_asm_bf16_backward_runs_on_amx_tiles():
         assert "vfmadd" in body and "expf" not in body, name  # fast exp on AVX512
 
 
+def test_asm_bf16_dropout_runs_on_amx_tiles():
+    """Dropout keeps the bf16 forward and backward on AMX tiles, its Philox words computed in
+    vectors (vpmuludq: 32 x 32 -> 64-bit products of 8 calls at once)."""
+    asm = spr_asm(AttentionSpec("bfloat16", 64, causal="bottom_right", variants=("dropout",)))
+    for name in ("forward", "backward_fused", "backward_dkdv", "backward_dq"):
+        assert asm[name].count("tdpbf16ps") >= 8 and "vpmuludq" in asm[name], name
+
+
 def test_asm_bf16_backward_keeps_modified_scores_in_vectors():
     """P and dS of the AMX backward are 16-lane loops in the kernel: left to LLVM's vectorizer
     they ran scalar where a modifier indexes scores (ALiBi, windows; ~200-300 scalar float ops
@@ -223,6 +231,41 @@ def test_amx_variants(causal, softcap, alibi_kind, lq, lk, d):
     slopes = alibi(alibi_kind, 1, 4) if alibi_kind else None
     check_against_reference(q, k, v, dout, flash_variant_run(causal, softcap=softcap, alibi_slopes=slopes),
                             causal="bottom_right" if causal else "none", softcap=softcap, alibi_slopes=slopes)
+
+
+# (causal, window, softcap, ALiBi slopes' kind, dropout_p, head dim): one module each, two shapes
+# and backward plans each (300 x 2100 at head dim 128 runs forward_long)
+AMX_DROPOUT = [(False, (-1, -1), 0.0, None, 0.3, 128), (True, (-1, -1), 0.0, None, 0.1, 64),
+               (True, (64, 0), 5.0, "h", 0.2, 64)]
+AMX_DROPOUT_SHAPES = [[(300, 2100, "fused"), (203, 113, "split")], [(113, 203, "split"), (17, 17, "fused")],
+                      [(113, 203, "fused"), (203, 113, "split")]]
+
+
+@needs_amx
+@pytest.mark.parametrize("causal,window,softcap,alibi_kind,dropout_p,d,lq,lk,plan",
+                         [(*case, *shape) for case, shapes in zip(AMX_DROPOUT, AMX_DROPOUT_SHAPES) for shape in shapes],
+                         ids=str)
+def test_amx_dropout(causal, window, softcap, alibi_kind, dropout_p, d, lq, lk, plan, monkeypatch):
+    """Dropout on the AMX path (Z multiplies P where the P.V operand is packed; the backward's
+    dV and dS take it): forward (300 x 2100: forward_long), lse and every gradient against the
+    float64 reference with the keep mask the call returns; both backward plans, GQA, with
+    window, softcap and ALiBi."""
+    from test_dropout import dropout_run, keep_of_run
+    from test_variants import reference_window
+    from tvmflash import ops
+
+    monkeypatch.setenv("TVMFLASH_BACKWARD", plan)
+    spec = ops.spec_for(torch.empty(1, 1, 1, d, dtype=torch.bfloat16), None, "bottom_right" if causal else "none",
+                        window, softcap, torch.ones(1) if alibi_kind else None, dropout_p)
+    assert "forward_pack" in ops._kernels(spec, torch.device("cpu"))  # the AMX kernels take dropout
+    b, h = 2, 4
+    q, k, v, dout = make(b, h, 2, lq, lk, d, torch.bfloat16, seed=lq + lk)
+    slopes = alibi(alibi_kind, b, h) if alibi_kind else None
+    check_against_reference(q, k, v, dout, dropout_run(causal, dropout_p, window_size=window, softcap=softcap,
+                                                       alibi_slopes=slopes),
+                            causal="bottom_right" if causal else "none", window=reference_window(window, causal),
+                            softcap=softcap, alibi_slopes=slopes, dropout_p=dropout_p,
+                            dropout_keep=keep_of_run(b, h, lq, lk, dropout_p))
 
 
 @needs_amx
