@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from tvm import tirx
 from tvm.script import tirx as T
+from tvm.script.ir_builder import tirx as irb
 
+from .. import rng
 from ..kernels.common import F32
 
 BF16 = "bfloat16"
@@ -140,3 +142,88 @@ def tile_gemm(c_at, c_ld, a_at, a_ld, b_at, b_ld, m, n, k, accumulate):
         for c in T.unroll(4):
             T.evaluate(amx("tilestored64", tmm(c), c_at(mb * BLOCK + c // 2 * TILE, nb * BLOCK + c % 2 * TILE),
                            row_bytes(c_ld)))
+
+
+# ----------------------------------------------------------------------------- dropout
+U32X16 = "uint32x16"
+_LANE = tirx.Ramp(_u32(0), _u32(1), 16)
+
+
+def _u32x16(value):
+    return tirx.Broadcast(_u32(value) if isinstance(value, int) else value, 16)
+
+
+def _wide(a):
+    return tirx.Cast("uint64x16", a)
+
+
+def _u64x16(value: int):
+    return tirx.Broadcast(tirx.const(value, "uint64"), 16)
+
+
+def _mulhilo_16(a, m: int):
+    """(high, low) words of a * m for 16 uint32 lanes, from their 64-bit products (LLVM: two
+    vpmuludq, even and odd lanes, a dword permute; vpmulld). Wrapping arithmetic goes through
+    64-bit lanes: TVM marks uint32 multiplies and adds no-unsigned-wrap, and LLVM miscompiled
+    Philox's third round from that promise."""
+    prod = _wide(a) * _u64x16(m)
+    return tirx.Cast(U32X16, prod >> _u64x16(32)), tirx.Cast(U32X16, prod)
+
+
+PHILOX_16 = rng.Ops(mulhilo=_mulhilo_16, add=lambda a, m: tirx.Cast(U32X16, _wide(a) + _u64x16(m)),
+                    bind=lambda x: irb.bind(x))
+
+
+def philox_16(drop, words, b, h, q0, k0, kc, ic, v):
+    """Philox calls (query call I0 + l % 8, key call J0 + 2 v + l // 8) for lanes l < 16, where
+    I0, J0 are the first calls of the 16 queries from q0 + 16 ic and the 32 keys from k0 + 32 kc
+    (q0, k0 multiples of 16 and 32; rng.call_of): their four words into words[v, 0:4, 0:16].
+    Emits its bindings and stores into the block being built."""
+    seed = drop.seed[tirx.const(0, "int64")]
+    key = [_u32x16(tirx.Cast(PAIR, seed)), _u32x16(tirx.Cast(PAIR, seed >> tirx.const(32, "int64")))]
+    counter = [_u32x16(tirx.Cast(PAIR, (k0 + kc * 32) // 32 * 8 + v * 2)) + (_LANE >> _u32x16(3)),
+               _u32x16(tirx.Cast(PAIR, (q0 + ic * 16) // 16 * 8)) + (_LANE & _u32x16(7)),
+               _u32x16(tirx.Cast(PAIR, b * drop.shape.heads + h)),
+               _u32x16(tirx.Cast(PAIR, drop.seed[tirx.const(1, "int64")]))]
+    for w, word in enumerate(rng.philox(counter, key, PHILOX_16)):
+        irb.buffer_store(words, word, [v, w, tirx.Ramp(0, 1, 16)])
+
+
+_CONCAT = [tirx.const(i, "int32") for i in range(16)]
+
+
+def factor_rows(drop, words, zT, kc, ic):
+    """Dropout's factors Z of 32 key rows x 16 queries (as `philox_16`'s) into zT[32 kc + r,
+    16 ic + l] (S^T-shaped) from their 64 calls' words: key row r's call is J0 + r % 8 (vector
+    r % 8 // 2, lanes 8 (r % 2) ..), and its 16 queries take their uniforms' slots a * 4 + t
+    (a = query // 8 % 2, t = r // 8): 8 lanes of word t // 2 (a = 0), 8 of word 2 + t // 2."""
+    threshold, scale = _u32x16(drop.threshold()), tirx.Broadcast(drop.scale, 16)
+    zero = tirx.Broadcast(tirx.const(0.0, F32), 16)
+    for r in range(32):
+        t, v, lanes = r // 8, r % 8 // 2, tirx.Ramp(r % 2 * 8, 1, 8)
+        word = tirx.Shuffle([words[v, t // 2, lanes], words[v, 2 + t // 2, lanes]], _CONCAT)
+        uniform = (word >> _u32x16(t % 2 * rng.UNIFORM_BITS)) & _u32x16((1 << rng.UNIFORM_BITS) - 1)
+        irb.buffer_store(zT, tirx.Select(uniform < threshold, scale, zero), [kc * 32 + r, tirx.Ramp(ic * 16, 1, 16)])
+
+
+@T.inline
+def dropout_tile_16(drop, zT, words, b, h, q0, k0, block_q, block_k):
+    """Dropout's factors Z of a block_k x block_q S^T tile from (q0, k0) into zT, as
+    `kernels/dropout.py`'s `dropout_tile` but with 16 Philox calls a vector (`words`: (4, 4, 16)
+    uint32 scratch): the 32 keys x 16 queries of a block are 64 calls, four vectors."""
+    for kc, ic in T.grid(block_k // 32, block_q // 16):
+        for v in T.serial(4):
+            with T.sblock("dropout_words"):
+                vk, vi, vv = T.axis.remap("SSS", [kc, ic, v])
+                philox_16(drop, words, b, h, q0, k0, vk, vi, vv)
+        with T.sblock("dropout_factors"):
+            vk, vi = T.axis.remap("SS", [kc, ic])
+            factor_rows(drop, words, zT, vk, vi)
+
+
+def amx_dropout_buffers(spec, block_q: int, block_k: int):
+    """Shapes of a tile's dropout scratch (`dropout_tile_16`'s words, the S^T-shaped factors);
+    1-element stand-ins without dropout."""
+    if "dropout" not in spec.variants:
+        return (1, 1, 1), (1, 1)
+    return (4, 4, 16), (block_k, block_q)

@@ -11,7 +11,7 @@ matmuls of a (kv-block, q-block) step run on AMX tiles, on S^T-shaped (keys x qu
     dQ^T += K^T . dS^T       A: K^T rows                    B: dS^T pairs over keys (per step)
 
 With dropout, dV takes (P Z)^T and dS = P (dP Z - delta), Z^T the step's factors
-(`dropout_tile`, S^T-shaped).
+(`amx.dropout_tile_16`, S^T-shaped).
 
 `backward_amx_pack_kernel` writes the seven packed operands once per call, zero-padded to a
 multiple of `pad` rows, so tile loads stay in bounds and padded rows contribute exactly 0. The
@@ -26,9 +26,9 @@ from tvm.script import tirx as T
 
 from ..kernels.backward import declare_backward_inputs, load_row_stats
 from ..kernels.common import F32, KernelArgs, Shape, fast_exp
-from ..kernels.dropout import dropout_buffers, dropout_tile
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
-from .amx import BF16, PAIR, bf16_pairs, bf16_row, configure_tiles, pair_bits, release_tiles, tile_gemm
+from .amx import (BF16, PAIR, amx_dropout_buffers, bf16_pairs, bf16_row, configure_tiles, dropout_tile_16, pair_bits,
+                  release_tiles, tile_gemm)
 from .amx_forward import amx_supported, dropped, modified, z_rows
 
 __all__ = ["amx_supported", "backward_amx_pack_kernel", "backward_amx_kernel"]
@@ -147,10 +147,10 @@ def step_gradients(score, scale, sT, dpT, pT, dsT, zT, lse_t, delta_t, b, h, q0,
 
 
 @T.inline
-def score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, words, zT, lse_t, delta_t, b, h, hk, q0, k0, BQ, BK, D,
+def score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, zT, words, lse_t, delta_t, b, h, hk, q0, k0, BQ, BK, D,
                     LQ, LK):
     """P^T and dS^T (fp32, keys x queries) of one (kv-block, q-block) step, and with dropout
-    its factors Z^T (`zT`, from the Philox `words`)."""
+    its factors Z^T (`zT`; `words`: scratch)."""
     with T.sblock("qk_amx"):  # S^T = K . Q^T
         T.reads(P.kp[b, hk, k0:k0 + BK, 0:D], P.qd[b, h, 0:D // 2, q0:q0 + BQ], cfg[0:64])
         T.writes(sT[0:BK, 0:BQ])
@@ -164,7 +164,7 @@ def score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, words, zT, lse_t, de
                   lambda r, c: T.address_of(P.vp[b, hk, k0 + r, c]), P.vp.strides[2] * 2,
                   lambda r, c: T.address_of(P.dod[b, h, r, q0 + c]), P.dod.strides[2] * 4, BK, BQ, D, False)
     if score.dropout is not None:
-        dropout_tile(score.dropout, words, zT, None, b, h, q0, k0, BQ, BK, True)
+        dropout_tile_16(score.dropout, zT, words, b, h, q0, k0, BQ, BK)
     # P^T and dS^T in 16-lane vectors written here: left to LLVM's loop vectorizer, the
     # loops ran scalar wherever a modifier indexed scores (ALiBi, windows: 8-10x and 4x the
     # plain backward on the Xeon). Whole tiles (`tile_unmasked`) take only the value
@@ -216,7 +216,7 @@ def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str) -> tirx.Pri
     args = KernelArgs()
     fused = plan == "fused"
     dropout = "dropout" in spec.variants
-    WORDS_SHAPE, Z_SHAPE = dropout_buffers(spec, BQ, BK, transposed=True)
+    WORDS_SHAPE, Z_SHAPE = amx_dropout_buffers(spec, BQ, BK)
 
     def declare():
         q, k, v, do, lse, delta = declare_backward_inputs(spec, shape, args)
@@ -276,12 +276,12 @@ def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str) -> tirx.Pri
                                 dsT = T.sblock_alloc_buffer((BK, BQ), F32)
                                 pa = T.sblock_alloc_buffer((BK, BQ // 2), PAIR)  # bf16 rows
                                 dsa = T.sblock_alloc_buffer((BK, BQ // 2), PAIR)
-                                words = T.sblock_alloc_buffer(WORDS_SHAPE, "uint32")  # dropout's Philox words
-                                zT = T.sblock_alloc_buffer(Z_SHAPE, F32)  # and factors Z^T
+                                zT = T.sblock_alloc_buffer(Z_SHAPE, F32)  # dropout's factors Z^T
+                                words = T.sblock_alloc_buffer(WORDS_SHAPE, "uint32")  # and Philox words
                                 vh = T.meta_var(vhk * G + vg)
                                 q0 = T.meta_var(vqb * BQ)
                                 load_row_stats(LSE, DELTA, lse_t, delta_t, vb, vh, q0, BQ, LQ)
-                                score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, words, zT, lse_t, delta_t,
+                                score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, zT, words, lse_t, delta_t,
                                                 vb, vh, vhk, q0, k0, BQ, BK, D, LQ, LK)
                                 for j, c in T.grid(BK, BQ // 32):  # dV takes (P Z)^T with dropout
                                     with T.sblock("pack_pa"):
@@ -353,10 +353,10 @@ def _dq_kernel(declare, shape: Shape, D: int, BQ: int, BK: int, dt: str, WORDS_S
                         pT = T.sblock_alloc_buffer((BK, BQ), F32)
                         dsT = T.sblock_alloc_buffer((BK, BQ), F32)
                         dsb = T.sblock_alloc_buffer((BK // 2, BQ), PAIR)
-                        words = T.sblock_alloc_buffer(WORDS_SHAPE, "uint32")
                         zT = T.sblock_alloc_buffer(Z_SHAPE, F32)
+                        words = T.sblock_alloc_buffer(WORDS_SHAPE, "uint32")
                         k0 = T.meta_var(vkb * BK)
-                        score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, words, zT, lse_t, delta_t,
+                        score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, zT, words, lse_t, delta_t,
                                         vb, vh, vhk, q0, k0, BQ, BK, D, LQ, LK)
                         accumulate_dq(P, cfg, lambda r, c: T.address_of(dq_accT[r, c]), BQ * 4, dq_accT[0:D, 0:BQ],
                                       dsT, dsb, vhk, vb, k0, BQ, BK, D)

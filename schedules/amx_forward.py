@@ -18,8 +18,8 @@ previous blocks with this pass, so the tile and vector units would work at once,
 faster: the tile side is bound by its loads and stores, which the vector side shares.)
 
 **Dropout** (flash-attn's semantics, `kernels/dropout.py`): each kv block's factors Z come
-from its Philox words into an S^T-shaped tile (`dropout_tile`), and P is multiplied by them where
-it is packed for P.V; the row sums take the undropped P.
+from its Philox words, 16 calls a vector, into an S^T-shaped tile (`amx.dropout_tile_16`), and
+P is multiplied by them where it is packed for P.V; the row sums take the undropped P.
 
 `forward_amx_pack_kernel` writes K (zero-padded rows) and V^T (zero-padded columns) once per
 (batch, kv-head), padded to a multiple of `kv_pad` keys (the caller allocates them), so every
@@ -36,10 +36,11 @@ from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
 from ..kernels.common import F32, LOG2E, NEG_INF, KernelArgs, Shape, fast_exp
-from ..kernels.dropout import Dropout, dropout_buffers, dropout_tile
+from ..kernels.dropout import Dropout
 from ..kernels.forward import declare_forward_args
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
-from .amx import BF16, PAIR, bf16_pairs, configure_tiles, exp2_16, pair_bits, release_tiles, tile_gemm
+from .amx import (BF16, PAIR, amx_dropout_buffers, bf16_pairs, configure_tiles, dropout_tile_16, exp2_16, pair_bits,
+                  release_tiles, tile_gemm)
 
 LN2 = 0.6931471805599453
 NEG_INF16 = tirx.Broadcast(NEG_INF, 16)
@@ -57,7 +58,7 @@ def score_modifiers(spec: AttentionSpec) -> bool:
 
 def dropped(p, zT, j, cols, dropout: bool):
     """P of key row j, queries `cols`, times dropout's factors Z (S^T-shaped `zT`,
-    `dropout_tile`), which the P.V operand takes (the row sums take P)."""
+    `amx.dropout_tile_16`), which the P.V operand takes (the row sums take P)."""
     return p * zT[j, cols] if dropout else p
 
 
@@ -255,7 +256,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
     packed = KernelArgs()
     has_mods = score_modifiers(spec)
     dropout = "dropout" in spec.variants
-    WORDS_SHAPE, Z_SHAPE = dropout_buffers(spec, BQ, BK, transposed=True)
+    WORDS_SHAPE, Z_SHAPE = amx_dropout_buffers(spec, BQ, BK)
     PAIRS = BK // 2
 
     def declare():
@@ -319,8 +320,8 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         grow = T.sblock_alloc_buffer((2,), "int32")  # m may move, m moves
                         keyterm = T.sblock_alloc_buffer((BK,), F32)  # a split bias (bias_terms)
                         rowterm = T.sblock_alloc_buffer((BQ,), F32)
-                        words = T.sblock_alloc_buffer(WORDS_SHAPE, "uint32")  # dropout's Philox words
-                        zT = T.sblock_alloc_buffer(Z_SHAPE, F32)  # and factors Z (S^T-shaped)
+                        zT = T.sblock_alloc_buffer(Z_SHAPE, F32)  # dropout's factors Z (S^T-shaped)
+                        words = T.sblock_alloc_buffer(WORDS_SHAPE, "uint32")  # and Philox words
                         k0 = T.meta_var(vkb * BK)
                         with T.sblock("qk_amx"):  # S^T = K rows . Q^T
                             T.reads(KP[vb, vhk, k0:k0 + BK, 0:D], qp[0:D // 2, 0:BQ], cfg[0:64])
@@ -334,7 +335,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         if score.splits_bias:
                             bias_terms(score, split, side, keyterm, rowterm, vb, vh, q0, k0, BK, BQ)
                         if dropout:
-                            dropout_tile(score.dropout, words, zT, None, vb, vh, q0, k0, BQ, BK, True)
+                            dropout_tile_16(score.dropout, zT, words, vb, vh, q0, k0, BQ, BK)
                         if has_mods:  # modified scores in place (vectorised here, not by a rule)
                             if not whole:  # -inf where masked or past Lk
                                 for j in T.serial(BK):
