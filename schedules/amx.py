@@ -1,5 +1,5 @@
 """Building blocks of the AMX kernels (`amx_forward.py`, `amx_backward.py`): tile configuration,
-the tile GEMM and bf16 bit packing.
+the tile GEMM, bf16 bit packing, a 16-lane exp2 and dropout's factors (Philox 16 calls a vector).
 
 AMX multiplies bf16 tiles into fp32 tiles: C (16 x 16 fp32) += A (16 rows x 32 bf16) . B, where
 B holds 16 rows of VNNI pairs, B[p, n] = (b[2p, n], b[2p + 1, n]) as one 32-bit word. A is a
@@ -162,10 +162,11 @@ def _u64x16(value: int):
 
 
 def _mulhilo_16(a, m: int):
-    """(high, low) words of a * m for 16 uint32 lanes, from their 64-bit products (LLVM: two
-    vpmuludq, even and odd lanes, a dword permute; vpmulld). Wrapping arithmetic goes through
-    64-bit lanes: TVM marks uint32 multiplies and adds no-unsigned-wrap, and LLVM miscompiled
-    Philox's third round from that promise."""
+    """(high, low) words of a * m for 16 uint32 lanes, from their 64-bit products (vpmuludq).
+    Wrapping arithmetic goes through 64-bit lanes: TVM marks uint32 multiplies and adds
+    no-unsigned-wrap, and LLVM miscompiled Philox's third round from that promise. (Reinterpreting
+    the lanes as 8 x uint64 instead, which gave the tightest code, made TVM's passes take time
+    exponential in the rounds.)"""
     prod = _wide(a) * _u64x16(m)
     return tirx.Cast(U32X16, prod >> _u64x16(32)), tirx.Cast(U32X16, prod)
 

@@ -56,10 +56,10 @@ def score_modifiers(spec: AttentionSpec) -> bool:
     return any(not isinstance(m, Dropout) for m in spec.modifiers())
 
 
-def dropped(p, zT, j, cols, dropout: bool):
-    """P of key row j, queries `cols`, times dropout's factors Z (S^T-shaped `zT`,
-    `amx.dropout_tile_16`), which the P.V operand takes (the row sums take P)."""
-    return p * zT[j, cols] if dropout else p
+def dropped(x, zT, j, cols, dropout: bool):
+    """x (P for the P.V operand, the backward's dP) of key row j, queries `cols`, times
+    dropout's factors Z (S^T-shaped `zT`, `amx.dropout_tile_16`) where `dropout`."""
+    return x * zT[j, cols] if dropout else x
 
 
 def z_rows(zT, j0, rows: int, cols: int, dropout: bool):
