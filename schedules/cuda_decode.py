@@ -7,11 +7,11 @@ new_keys), found through `block_table` pages (a contiguous cache is one page per
 batch entry). The score modifiers (causal, window, ALiBi, softcap) see each score in the
 sequence's own coordinates, as in flash_attn_with_kvcache.
 
-Mapping: one CTA of `decode_warps` warps per (batch, kv-head, block of 16 query rows,
+Mapping: one CTA of `warps` warps per (batch, kv-head, block of 16 query rows,
 split). A block's rows are the kv-head's query heads x queries (GQA packs the group: a K/V
 tile is read once for all of them); with Lq = 1 and 4 heads per kv-head that is 4 of an m16
 tile's rows, which costs tensor-core cycles the memory-bound kernel has to spare. A split
-owns a range of K/V tiles of `decode_block_n` keys, aligned to cache positions so that each
+owns a range of K/V tiles of `block_n` keys, aligned to cache positions so that each
 16 keys lie in one page (pages are multiples of 16): one table lookup per 16 rows. Tiles
 stream through a ring of `decode_stages` shared-memory buffers, filled by all the CTA's
 threads (`cp.async`, rows past the sequence zero-filled, page numbers clamped to the cache;
@@ -31,13 +31,21 @@ unrolled, its stores and index arithmetic made the kernel 12.5k instructions, an
 a quarter of the stall samples were instruction-cache misses (4.6-5.4k now; 3-4 us less a call
 on the H200).
 
-Knobs (`DEFAULTS`):
-    decode_block_n     keys per K/V tile (a multiple of 16 x decode_warps)
-    decode_warps       warps per CTA (1, 2, 4, 8), each on block_n / warps keys of a tile
-    decode_stages      ring buffers (2 .. 4)
-    decode_l2_prefetch L2 prefetch size of the K/V copies in bytes (0: none, 64, 128, 256;
-                       on the H200 256 added 19% to the L2 traffic of swizzled copies)
-(and `decode_ctas_per_sm`, read by ops.decode_kv_cache: the automatic num_splits aims at about
+Two plans, one kernel each in a kv_cache module, by the cache's page size (spec.DECODE_PHASES,
+each a tuning phase with its own knobs): `decode` for pages of fewer than DECODE_LONG_PAGE
+keys, `decode_long` for longer pages and contiguous caches. Measured on the H200 (B=16, H=32,
+Hk=8, D=128 bf16, 8k-64k keys, against cuDNN's kernel on a dense cache): in shuffled pages of 16
+keys, one CTA an SM read at 0.69-0.87x cuDNN's speed whatever its tile and ring depth, two
+(64-key tiles, 3 buffers, 2 splits) at 0.96-0.99x; in pages of 256, one CTA an SM on 128-key
+tiles with 2 buffers and no splits at 1.01-1.02x, where the two-CTA plan reached 0.98-0.99x.
+
+Knobs (`DEFAULTS`; `<phase>_` names them: decode_block_n, decode_long_block_n, ...):
+    block_n     keys per K/V tile (a multiple of 16 x warps)
+    warps       warps per CTA (1, 2, 4, 8), each on block_n / warps keys of a tile
+    stages      ring buffers (2 .. 4)
+    l2_prefetch L2 prefetch size of the K/V copies in bytes (0: none, 64, 128, 256; on the
+                H200 256 added 19% to the L2 traffic of swizzled copies)
+(and `<phase>_ctas_per_sm`, read by ops.decode_kv_cache: the automatic num_splits aims at about
 that many CTAs per SM)
 """
 from __future__ import annotations
@@ -56,7 +64,8 @@ from tvmflash.spec import AttentionSpec
 from .cuda_mma import (CP_ASYNC, LN2, PAD, SwizzledRows, copy_tile, load_a, load_b, load_b_trans, mma_16x16, mma_op, rescale_rows,
                        row_reciprocal, smem_scope, softmax_tile, to_a_fragments)
 
-DEFAULTS = {"decode_block_n": 32, "decode_warps": 1, "decode_stages": 3, "decode_l2_prefetch": 0}
+DEFAULTS = {"decode_block_n": 32, "decode_warps": 1, "decode_stages": 3, "decode_l2_prefetch": 0,
+            "decode_long_block_n": 128, "decode_long_warps": 4, "decode_long_stages": 2, "decode_long_l2_prefetch": 0}
 
 
 def row_width(head_dim: int) -> int:
@@ -166,10 +175,12 @@ def merge_splits(O_PART, LSE_PART, O, LSE, top, ids, b, head, qi, r0, rows, S, w
                 LSE[b, ids[0], ids[1]] = T.Select(top[1] == T.float32(0), NEG_INF, top[0] + T.log(top[1]))
 
 
-def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
+def decode_kernel_cuda(spec: AttentionSpec, knobs: dict, phase: str = "decode") -> tirx.PrimFunc:
+    """The decode kernel of `phase` (spec.DECODE_PHASES; its function's name), from that
+    phase's knobs."""
     D, dt = spec.head_dim, spec.dtype
-    BN, W, ST = knobs["decode_block_n"], knobs["decode_warps"], knobs["decode_stages"]
-    COPY = CP_ASYNC + (f".L2::{knobs['decode_l2_prefetch']}B" if knobs["decode_l2_prefetch"] else "")
+    BN, W, ST, L2 = (knobs[f"{phase}_{k}"] for k in ("block_n", "warps", "stages", "l2_prefetch"))
+    COPY = CP_ASYNC + (f".L2::{L2}B" if L2 else "")
     if not supports(spec):
         raise ValueError(f"the CUDA decode kernel does not compute {spec}")
     if W not in (1, 2, 4, 8) or BN % (PAGE_ALIGN * W) or not 16 <= BN <= 256 or ST not in (2, 3, 4):
@@ -337,4 +348,4 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                 if tid == 0:
                     COUNTERS[slot] = T.int32(0)  # ready for the next launch
 
-    return decode.with_attr("global_symbol", "decode")
+    return decode.with_attr("global_symbol", phase)

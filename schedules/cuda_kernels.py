@@ -1,10 +1,10 @@
 """Which CUDA kernels a spec's module holds: the Hopper (wgmma) kernels on sm_90a where they
-take the spec, the mma.sync ones otherwise, and the split-KV decode kernel for a KV cache.
+take the spec, the mma.sync ones otherwise, and the split-KV decode kernels for a KV cache.
 (Here, not in tvmflash.build, so that a change of choice re-keys the cached modules: their
 key hashes `schedules/cuda_*.py`. Which forward a call runs is tvmflash.ops' choice.)"""
 from __future__ import annotations
 
-from tvmflash.spec import AttentionSpec
+from tvmflash.spec import DECODE_PHASES, AttentionSpec
 
 from . import cuda_backward, cuda_backward_wgmma, cuda_decode, cuda_forward, cuda_forward_wgmma
 
@@ -18,7 +18,7 @@ def default_knobs(spec: AttentionSpec) -> dict:
 def kernels(spec: AttentionSpec, arch: str, knobs: dict) -> dict:
     """The module's kernels by function name, for CUDA arch `arch` and the full knob set."""
     if spec.kv_cache:
-        return {"decode": cuda_decode.decode_kernel_cuda(spec, knobs)}
+        return {phase: cuda_decode.decode_kernel_cuda(spec, knobs, phase) for phase in DECODE_PHASES}
     out = {**cuda_backward.backward_kernels_cuda(spec, knobs, arch), **forward_kernels(spec, arch, knobs)}
     if knobs["bwd_wgmma"] and cuda_backward_wgmma.supports(spec, arch):
         for name, with_dq in (("backward_dkdv_dq", True), ("backward_dkdv", False)):

@@ -736,8 +736,9 @@ def test_cuda_kvcache_long(layout, num_splits):
 @needs_gpu
 @pytest.mark.parametrize("spec,phase", [(AttentionSpec("bfloat16", 128, causal="bottom_right"), "forward"),
                                         (AttentionSpec("bfloat16", 128, causal="bottom_right"), "backward"),
-                                        (AttentionSpec("bfloat16", 128, kv_cache=True), "decode")],
-                         ids=["forward", "backward", "decode"])
+                                        (AttentionSpec("bfloat16", 128, kv_cache=True), "decode"),
+                                        (AttentionSpec("bfloat16", 128, kv_cache=True), "decode_long")],
+                         ids=["forward", "backward", "decode", "decode_long"])
 def test_the_tuners_check_passes_the_shipped_modules(spec, phase):
     """`tvmflash tune` checks each candidate on the GPU (tune.check_candidate) before timing
     it: the records' modules pass (its rejections are tested on the CPU, test_tune.py)."""

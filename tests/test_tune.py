@@ -3,6 +3,7 @@ CPU (the CUDA and AVX512 timing itself runs on the GPU machine and its Xeon)."""
 import json
 
 import pytest
+import torch
 
 from tvmflash import tune
 from tvmflash.spec import AttentionSpec
@@ -78,23 +79,37 @@ def test_cpu_specs_without_a_record_take_the_plain_specs():
     assert tuned_knobs("cuda", AttentionSpec("bfloat16", 64, mask="bool")) == {}  # CUDA: exact records only
 
 
-def test_decode_candidates_and_records():
+@pytest.mark.parametrize("phase", ["decode", "decode_long"])
+def test_decode_candidates_and_records(phase):
     from tvmflash.tuning import tuned_knobs
 
-    cands = tune.candidates(AttentionSpec("bfloat16", 128, kv_cache=True), "decode")
-    assert cands and all(set(c) == {"decode_block_n", "decode_warps", "decode_stages", "decode_l2_prefetch"}
-                         for c in cands)
+    cands = tune.candidates(AttentionSpec("bfloat16", 128, kv_cache=True), phase)
+    names = {f"{phase}_{k}" for k in ("block_n", "warps", "stages", "l2_prefetch")}
+    assert cands and all(set(c) == names for c in cands)
+    block_n, warps, stages = (lambda c, k=k: c[f"{phase}_{k}"] for k in ("block_n", "warps", "stages"))
     # head dim 128: unpadded (swizzled) shared-memory rows of 256 bytes, Q's 16 rows and the K/V ring
-    assert all((16 + 2 * c["decode_stages"] * c["decode_block_n"]) * 128 * 2 <= tune.SMEM_LIMIT for c in cands)
-    assert all(c["decode_block_n"] % (16 * c["decode_warps"]) == 0 for c in cands)  # 16-key slices per warp
-    assert {c["decode_warps"] for c in cands} == {1, 2, 4, 8}
-    assert {c["decode_l2_prefetch"] for c in cands} == {0}  # 256 only added L2 traffic (cuda_decode.py)
-    full = tune.grid(AttentionSpec("bfloat16", 128, kv_cache=True), "decode", "cuda")
-    assert {c["decode_ctas_per_sm"] for c in full if c["decode_warps"] == 4} == {1, 2, 3}
+    assert all((16 + 2 * stages(c) * block_n(c)) * 128 * 2 <= tune.SMEM_LIMIT for c in cands)
+    assert all(block_n(c) % (16 * warps(c)) == 0 for c in cands)  # 16-key slices per warp
+    assert {warps(c) for c in cands} == {1, 2, 4, 8}
+    assert {c[f"{phase}_l2_prefetch"] for c in cands} == {0}  # 256 only added L2 traffic (cuda_decode.py)
+    full = tune.grid(AttentionSpec("bfloat16", 128, kv_cache=True), phase, "cuda")
+    assert {c[f"{phase}_ctas_per_sm"] for c in full if warps(c) == 4} == {1, 2, 3}
+    assert tune.phases_of(AttentionSpec("bfloat16", 128, kv_cache=True), "cuda") == ("decode", "decode_long")
     # a causal / windowed decode spec takes the plain decode record (tuning_logs/cuda/ has it)
     plain = tuned_knobs("cuda", AttentionSpec("bfloat16", 128, kv_cache=True))
     assert "decode_ctas_per_sm" in plain
     assert tuned_knobs("cuda", AttentionSpec("bfloat16", 128, "bottom_right", variants=("window",), kv_cache=True)) == plain
+
+
+def test_decode_phase_by_page_size():
+    """Pages of 128 keys or more, and contiguous caches (one page of the capacity), take the
+    long-page decode kernel, with one CTA an SM by default (no splits at B x Hk >= SMs)."""
+    from tvmflash import ops
+
+    assert [ops.decode_phase(p) for p in (16, 48, 112, 128, 256, 4096)] == ["decode"] * 3 + ["decode_long"] * 3
+    assert ops.DECODE_CTAS_PER_SM["decode_long"] == 1
+    _, per_sm = ops._decode_spec(torch.bfloat16, 128, False, (-1, -1), False, False)
+    assert set(per_sm) == {"decode", "decode_long"} and per_sm["decode"] == 2  # the shipped record's
 
 
 def _record(db, spec, phase, knobs, secs, kind="cuda"):

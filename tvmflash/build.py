@@ -32,7 +32,7 @@ from filelock import FileLock
 
 from ._paths import PACKAGE_DIR, SCHEDULES_DIR
 from .cpu import request_amx, runs_avx512_amx, use_torch_threads
-from .spec import AttentionSpec
+from .spec import DECODE_PHASES, AttentionSpec
 from .tuning import tuned_knobs
 
 CPU_KERNELS = ("forward", "backward_delta", "backward_dkdv", "backward_dq",
@@ -44,7 +44,7 @@ CPU_OPTIONAL_KERNELS = ("forward_pack", "forward_pack_vt", "forward_long", "back
 CUDA_KERNELS = ("forward", "backward_prep", "backward_dkdv_dq", "backward_dq_convert", "backward_dkdv",
                 "backward_dq")
 DECODE_KERNELS = ("decode", "decode_combine")  # a kv_cache spec's CPU module
-CUDA_DECODE_KERNELS = ("decode",)  # on CUDA the kernel merges its splits itself
+CUDA_DECODE_KERNELS = DECODE_PHASES  # one per page-size plan; on CUDA a kernel merges its splits itself
 CUDA_OPTIONAL_KERNELS = ("forward_short",)  # the lockstep forward for short windows (schedules/cuda_kernels.py)
 
 _modules: dict = {}

@@ -178,7 +178,7 @@ def tune(
     spec: SpecOption = None,
     model_preset: PresetOption = None,
     dtype: PresetDTypeOption = DType.bf16,
-    phase: Annotated[Optional[list[str]], typer.Option(help="forward, backward, decode (default: all of a spec's).")] = None,
+    phase: Annotated[Optional[list[str]], typer.Option(help="forward, backward, decode, decode_long (default: all of a spec's).")] = None,
     trials: Annotated[int, typer.Option(help="New measurements per workload (spec, phase) at most.")] = 16,
     time_budget: Annotated[Optional[float], typer.Option(help="Seconds; no candidate starts after it.")] = None,
     work_dir: Annotated[Optional[Path], typer.Option(

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from .spec import BLOCK_MASK_ARGS, DECODE_ROWS, VARIANT_ARGS, AttentionSpec
+from .spec import BLOCK_MASK_ARGS, DECODE_LONG_PAGE, DECODE_ROWS, VARIANT_ARGS, AttentionSpec
 
 _TORCH_TO_TVM = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -274,20 +274,28 @@ def _forward_split(kern: dict, q, k, v, out, lse, scale, mod_args) -> None:
         kern["forward_split_combine"](o_part, lse_part, out, lse)
 
 
-# CTAs per SM the automatic num_splits of decode_kv_cache aims at (a tuning record's
-# decode_ctas_per_sm overrides it)
-DECODE_CTAS_PER_SM = 4
+# CTAs per SM the automatic num_splits of decode_kv_cache aims at, per decode phase (a tuning
+# record's <phase>_ctas_per_sm overrides it): one CTA an SM on long pages (no splits at B x Hk
+# >= SMs), several on short ones (schedules/cuda_decode.py)
+DECODE_CTAS_PER_SM = {"decode": 4, "decode_long": 1}
+
+
+def decode_phase(page_size: int) -> str:
+    """The CUDA decode kernel (spec.DECODE_PHASES) for a cache in pages of `page_size` keys (a
+    contiguous cache: its capacity)."""
+    return "decode_long" if page_size >= DECODE_LONG_PAGE else "decode"
 
 
 @functools.lru_cache(maxsize=None)
 def _decode_spec(dtype, head_dim: int, causal: bool, window: tuple, softcap: bool, alibi: bool) -> tuple:
-    """The kv_cache spec of a decode call and its CTAs per SM."""
+    """The kv_cache spec of a decode call and its CTAs per SM by decode phase."""
     from .tuning import tuned_knobs
 
     variants = _variant_names(window, softcap, alibi, False, False)
     spec = AttentionSpec(_TORCH_TO_TVM[dtype], head_dim, "bottom_right" if causal else "none", variants=variants,
                          kv_cache=True)
-    return spec, tuned_knobs("cuda", spec).get("decode_ctas_per_sm", DECODE_CTAS_PER_SM)
+    knobs = tuned_knobs("cuda", spec)
+    return spec, {phase: knobs.get(f"{phase}_ctas_per_sm", n) for phase, n in DECODE_CTAS_PER_SM.items()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -304,8 +312,8 @@ def cuda_decode_splits(device: torch.device, row_blocks: int, capacity: int, per
     return max(1, min(num_splits, -(-capacity // 16), 256))
 
 
-def _decode_plan(q: torch.Tensor, heads_k: int, capacity: int, causal: bool, window: tuple, softcap: bool,
-                 alibi: bool, num_splits: int) -> tuple:
+def _decode_plan(q: torch.Tensor, heads_k: int, page_size: int, capacity: int, causal: bool, window: tuple,
+                 softcap: bool, alibi: bool, num_splits: int) -> tuple:
     """What a decode call's shape fixes: (spec, split kernel, its scratch arguments, combine
     kernel or None: CUDA's kernel merges its splits, a CPU one with one split writes the
     outputs itself). The scratch (split partials; on CUDA also the counters with which the
@@ -314,15 +322,16 @@ def _decode_plan(q: torch.Tensor, heads_k: int, capacity: int, causal: bool, win
     B, H, Lq, D = q.shape
     spec, per_sm = _decode_spec(q.dtype, D, causal, window, softcap, alibi)
     row_blocks = B * heads_k * -(-(H // heads_k) * Lq // DECODE_ROWS)  # CUDA: a split's CTAs
+    phase = decode_phase(page_size)
     if q.is_cuda:
-        splits = cuda_decode_splits(q.device, row_blocks, capacity, per_sm, num_splits)
+        splits = cuda_decode_splits(q.device, row_blocks, capacity, per_sm[phase], num_splits)
     else:
         splits = _cpu_splits(B, H, heads_k, Lq, capacity, num_splits)
     kern = _kernels(spec, q.device)
     scratch = (torch.empty((B, H, splits, Lq, D), dtype=torch.float32, device=q.device),
                torch.empty((B, H, splits, Lq), dtype=torch.float32, device=q.device))
     if q.is_cuda:
-        return spec, kern["decode"], (*scratch, torch.zeros(row_blocks, dtype=torch.int32, device=q.device)), None
+        return spec, kern[phase], (*scratch, torch.zeros(row_blocks, dtype=torch.int32, device=q.device)), None
     combine = kern["decode_combine"] if splits > 1 else None
     return spec, _split_kernel(kern, "decode", H // heads_k * Lq), scratch, combine
 
@@ -353,14 +362,14 @@ def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # the raw handle of torch's current stream (torch.cuda.current_stream builds an object: 3 us)
     stream = torch._C._cuda_getCurrentRawStream(device.index) if cuda else threading.get_ident()
     capacity = block_table.shape[1] * k_cache.shape[1]  # keys of the longest possible sequence
-    key = (q.shape, q.dtype, device, k_cache.shape[2], capacity, causal, window, softcap > 0,
+    key = (q.shape, q.dtype, device, k_cache.shape[1:3], capacity, causal, window, softcap > 0,
            alibi_slopes is not None, num_splits, stream)
     plan = _decode_plans.get(key)
     if plan is None:
         if len(_decode_plans) > 32:  # (each holds its split partials: a few MB at most)
             _decode_plans.clear()
-        plan = _decode_plans[key] = _decode_plan(q, k_cache.shape[2], capacity, causal, window, softcap > 0,
-                                                 alibi_slopes is not None, num_splits)
+        plan = _decode_plans[key] = _decode_plan(q, k_cache.shape[2], k_cache.shape[1], capacity, causal, window,
+                                                 softcap > 0, alibi_slopes is not None, num_splits)
     spec, decode, scratch, combine = plan
     mod_args = _mod_args(spec, (B, H, Lq, capacity), None, window, softcap, alibi_slopes) if spec.variants else ()
     with _on_stream(device):

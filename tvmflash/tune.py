@@ -15,9 +15,11 @@ Before a candidate is timed its results are checked against `tvmflash.reference`
 (`check_candidate`); one that differs is recorded as failed.
 
 The forward and the backward have separate knobs and are tuned as separate phases (a
-candidate varies one phase's knobs; the others stay at their record). The `decode` phase (CUDA
-kv_cache specs) tunes the split-KV decode kernel with the launch's CTAs per SM, which sets the
-automatic num_splits (candidates differing only in it share a library).
+candidate varies one phase's knobs; the others stay at their record). The `decode` and
+`decode_long` phases (CUDA kv_cache specs) tune the split-KV decode kernels for short pages
+(timed on pages of 16 keys) and for long pages and contiguous caches (pages of 256) with the
+launch's CTAs per SM, which sets the automatic num_splits (candidates differing only in it
+share a library).
 
 The CUDA kernels are TIRx native kernels generated from Python knobs, so the search is over the
 explicit grid of `candidates` (MetaSchedule's own search replays schedule traces, which cannot
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._paths import TUNING_LOGS_DIR
-from .spec import AttentionSpec
+from .spec import DECODE_PHASES, AttentionSpec
 from .tuning import FAILED_SECS, PHASE_KEY, SPEC_KEY, Database, tuned_knobs
 
 TUNED_SPECS = {
@@ -45,7 +47,8 @@ TUNED_SPECS = {
     "decode": [AttentionSpec(dt, d, kv_cache=True) for dt, d in itertools.product(("float16", "bfloat16"), (64, 128))],
 }
 DECODE_CTAS_PER_SM = ((2, 3, 4, 6, 8), (1, 2, 3))  # one-warp CTAs, CTAs of several warps
-DECODE_SEQLENS = (8192, 32768)  # B=16, H=32, Hk=8, one query, pages of 16 keys
+DECODE_SEQLENS = (8192, 32768)  # B=16, H=32, Hk=8, one query, in shuffled pages of:
+DECODE_PAGES = {"decode": 16, "decode_long": 256}
 CPU_BLOCKS = [(64, 64), (64, 128), (128, 64), (128, 128), (32, 64), (64, 32), (32, 128), (256, 128)]  # (block_q, block_k)
 CPU_REGISTER_TILES = [(8, 2), (4, 4), (4, 2)]  # (rows, zmm vectors per row) of the FMA matmuls
 AMX_LONG_BLOCK_Q = (128, 256)  # the AMX forward's q-blocks for long keys (timed at SEQLENS[1])
@@ -65,11 +68,11 @@ def candidates(spec: AttentionSpec, phase: str = "forward", arch: str = "sm_90a"
     row_bytes = (spec.head_dim + 8) * 2
     out = []
     d = spec.head_dim
-    if phase == "decode":  # one-warp CTAs on small tiles, or CTAs of 2-8 warps on 64-128 keys
+    if phase in DECODE_PHASES:  # one-warp CTAs on small tiles, or CTAs of 2-8 warps on 64-128 keys
         from .schedules.cuda_decode import shared_bytes
 
         shapes = [(1, 16), (1, 32), (1, 64), (2, 64), (2, 128), (4, 64), (4, 128), (8, 128)]  # (warps, block_n)
-        return [{"decode_warps": w, "decode_block_n": bn, "decode_stages": st, "decode_l2_prefetch": 0}
+        return [{f"{phase}_warps": w, f"{phase}_block_n": bn, f"{phase}_stages": st, f"{phase}_l2_prefetch": 0}
                 for (w, bn), st in itertools.product(shapes, (2, 3)) if shared_bytes(d, bn, w, st) <= SMEM_LIMIT]
     if phase == "forward" and cuda_forward_wgmma.supports(spec, arch):
         # a softcap's exponents split between MUFU and the FMA pipe (knob of no other spec)
@@ -122,13 +125,14 @@ def cpu_candidates(spec: AttentionSpec, phase: str = "forward", kind: str = "avx
 
 TARGET_KINDS = ("cuda", "avx512", "host")
 SEQLENS = (1024, 4096)  # a candidate's score: the geometric mean of its times at these lengths
-LAUNCH_KNOBS = ("decode_ctas_per_sm",)  # set at launch, not in the module: candidates share a library
+# set at launch, not in the module: candidates share a library
+LAUNCH_KNOBS = tuple(f"{phase}_ctas_per_sm" for phase in DECODE_PHASES)
 
 
 def phases_of(spec: AttentionSpec, kind: str) -> tuple:
     """The tuning phases of `spec` on `kind` (CPU decode kernels have no knobs)."""
     if spec.kv_cache:
-        return ("decode",) if kind == "cuda" else ()
+        return DECODE_PHASES if kind == "cuda" else ()
     return ("forward", "backward")
 
 
@@ -136,9 +140,9 @@ def grid(spec: AttentionSpec, phase: str, kind: str) -> list[dict]:
     """Every candidate of `phase` for `spec` on target `kind`."""
     if kind == "cuda":
         found = candidates(spec, phase)
-        if phase == "decode":
-            found = [{**c, "decode_ctas_per_sm": n} for c in found
-                     for n in DECODE_CTAS_PER_SM[c["decode_warps"] > 1]]
+        if phase in DECODE_PHASES:
+            found = [{**c, f"{phase}_ctas_per_sm": n} for c in found
+                     for n in DECODE_CTAS_PER_SM[c[f"{phase}_warps"] > 1]]
         return found
     return cpu_candidates(spec, phase, kind)
 
@@ -318,8 +322,9 @@ def measure(c: Candidate, entry: dict, work_dir: Path, seqlens: tuple = SEQLENS,
     kern = {name: module[name] for name in funcs if module.implements_function(name, query_imports=True)}
     values = {**({"softcap": DEFAULT_SOFTCAP} if "softcap" in c.spec.variants else {}), **(values or {})}
     check_candidate(kern, c.spec, c.phase, "cuda" if target["kind"] == "cuda" else "cpu", values)
-    if c.phase == "decode":
-        times = [_time_decode(kern, c.spec, c.knobs["decode_ctas_per_sm"], L, values) for L in DECODE_SEQLENS]
+    if c.phase in DECODE_PHASES:
+        times = [_time_decode(kern, c.spec, c.phase, c.knobs[f"{c.phase}_ctas_per_sm"], L, values)
+                 for L in DECODE_SEQLENS]
     else:
         time_one = _time_one if target["kind"] == "cuda" else _time_one_cpu
         times = [time_one(kern, c.spec, L, c.phase == "backward", values) for L in seqlens]
@@ -396,26 +401,26 @@ def time_to_fraction(history: list[dict], fraction: float = 0.95) -> dict:
     return out
 
 
-def _decode_problem(kern: dict, spec: AttentionSpec, per_sm: int, lengths: list, values: dict, heads: int = 32,
-                    heads_k: int = 8):
+def _decode_problem(kern: dict, spec: AttentionSpec, phase: str, per_sm: int, lengths: list, values: dict,
+                    heads: int = 32, heads_k: int = 8):
     """A decode call as ops.decode_kv_cache makes it (one launch: the kernel merges its splits):
-    one query per sequence of `lengths` keys in shuffled pages of 16, at `per_sm` CTAs per SM
-    (the automatic splits); `values` the variants' (window, softcap). Returns (call, its
-    tensors)."""
+    one query per sequence of `lengths` keys in shuffled pages (DECODE_PAGES[phase] keys), by
+    `phase`'s kernel at `per_sm` CTAs per SM (the automatic splits); `values` the variants'
+    (window, softcap). Returns (call, its tensors)."""
     import torch
 
     from . import ops
 
-    b, d, dt = len(lengths), spec.head_dim, getattr(torch, spec.dtype)
-    pages = -(-max(lengths) // 16)
+    b, d, dt, page = len(lengths), spec.head_dim, getattr(torch, spec.dtype), DECODE_PAGES[phase]
+    pages = -(-max(lengths) // page)
     slopes = _alibi_slopes(spec, heads, "cuda")
-    args = ops._mod_args(spec, (b, heads, 1, pages * 16), None, values.get("window", (-1, -1)),
+    args = ops._mod_args(spec, (b, heads, 1, pages * page), None, values.get("window", (-1, -1)),
                          values.get("softcap", 0.0), slopes)
     q = torch.randn(b, heads, 1, d, device="cuda", dtype=dt)
-    k, v = (torch.randn(b * pages, 16, heads_k, d, device="cuda", dtype=dt) for _ in range(2))
+    k, v = (torch.randn(b * pages, page, heads_k, d, device="cuda", dtype=dt) for _ in range(2))
     table = torch.randperm(b * pages, device="cuda").view(b, pages).to(torch.int32)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    splits = ops.cuda_decode_splits(q.device, b * heads_k, pages * 16, per_sm)
+    splits = ops.cuda_decode_splits(q.device, b * heads_k, pages * page, per_sm)
     o_part = torch.empty(b, heads, splits, 1, d, device="cuda")
     lse_part = torch.empty(b, heads, splits, 1, device="cuda")
     out, lse = torch.empty_like(q), torch.empty(b, heads, 1, device="cuda")
@@ -423,13 +428,14 @@ def _decode_problem(kern: dict, spec: AttentionSpec, per_sm: int, lengths: list,
     counters = torch.zeros(b * heads_k, dtype=torch.int32, device="cuda")  # one row block per kv-head
 
     def call():
-        kern["decode"](q, k, v, table, seqlens, starts, 0, o_part, lse_part, out, lse, counters, d ** -0.5, *args)
-    return call, dict(q=q, k=k, v=v, table=table, seqlens=seqlens, out=out, lse=lse, slopes=slopes)
+        kern[phase](q, k, v, table, seqlens, starts, 0, o_part, lse_part, out, lse, counters, d ** -0.5, *args)
+    return call, dict(q=q, k=k, v=v, table=table, seqlens=seqlens, out=out, lse=lse, slopes=slopes, page=page)
 
 
-def _time_decode(kern: dict, spec: AttentionSpec, per_sm: int, length: int, values: dict) -> float:
-    """Milliseconds per decode call, B=16, H=32, Hk=8, `length` keys (`_decode_problem`)."""
-    call, _ = _decode_problem(kern, spec, per_sm, [length] * 16, values)
+def _time_decode(kern: dict, spec: AttentionSpec, phase: str, per_sm: int, length: int, values: dict) -> float:
+    """Milliseconds per decode call of `phase`'s kernel, B=16, H=32, Hk=8, `length` keys
+    (`_decode_problem`)."""
+    call, _ = _decode_problem(kern, spec, phase, per_sm, [length] * 16, values)
     call()
     return _cuda_ms(call)
 
@@ -444,7 +450,7 @@ def check_candidate(kern: dict, spec: AttentionSpec, phase: str, device: str, va
     LSE_TOLERANCE. A knob setting that builds but computes wrong results (a race, a missed
     tile) must not be timed, let alone merged. A small odd-sized problem (partial tiles): the
     forward's o and lse (every forward kernel of a CPU module), the backward's dQ, dK and dV,
-    the decode's o and lse over ragged and empty sequences."""
+    a decode kernel's o and lse over ragged and empty sequences."""
     import torch
 
     from .reference import attention
@@ -470,14 +476,15 @@ def check_candidate(kern: dict, spec: AttentionSpec, phase: str, device: str, va
                              f"{bound.flatten()[worst].item():.3g})")
 
     modifiers = dict(causal=spec.causal, window=values.get("window", (-1, -1)), softcap=values.get("softcap", 0.0))
-    if phase == "decode":
+    if phase in DECODE_PHASES:
         lengths = [300, 123, 0, 17]
-        call, t = _decode_problem(kern, spec, 3, lengths, values, heads=8, heads_k=2)
+        call, t = _decode_problem(kern, spec, phase, 3, lengths, values, heads=8, heads_k=2)
         call()
         torch.cuda.synchronize()
         for b, n in enumerate(lengths):
             rows = torch.arange(n, device="cuda")
-            k, v = (c[t["table"][b, rows // 16].long(), rows % 16].transpose(0, 1)[None] for c in (t["k"], t["v"]))
+            k, v = (c[t["table"][b, rows // t["page"]].long(), rows % t["page"]].transpose(0, 1)[None]
+                    for c in (t["k"], t["v"]))
             o, lse = attention(t["q"][b:b + 1], k, v, dtype=exact, alibi_slopes=t["slopes"], **modifiers)
             compare(f"sequence {b}'s o", t["out"][b:b + 1], o)
             compare(f"sequence {b}'s lse", t["lse"][b:b + 1], lse)
@@ -506,7 +513,7 @@ def check_candidate(kern: dict, spec: AttentionSpec, phase: str, device: str, va
 
 
 _PHASE_FUNCS = {"cuda": ("forward", "backward_prep", "backward_dkdv_dq", "backward_dq_convert", "backward_dkdv",
-                         "backward_dq", "decode"),
+                         "backward_dq", *DECODE_PHASES),
                 "cpu": tuple(dict.fromkeys(sum(CPU_PHASE_KERNELS.values(), ())))}
 
 

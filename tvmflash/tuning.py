@@ -1,7 +1,7 @@
 """Tuning records: `tuning_logs/<target>/` is a MetaSchedule JSON database, read by every build.
 
 One workload per (spec, phase): a stub PrimFunc whose attributes name them (`tvmflash.spec`,
-`tvmflash.phase`; phases `forward`, `backward`, `decode` tune disjoint knobs). A tuning record's
+`tvmflash.phase`; phases `forward`, `backward`, `decode`, `decode_long` tune disjoint knobs). A tuning record's
 trace is the knob choice written as MetaSchedule instructions: per knob, a `sample_categorical`
 over the knob's candidate values (its decision is the chosen one) whose result annotates the
 root block under the knob's name; run_secs is the candidate's measured time. So
@@ -21,20 +21,12 @@ from functools import lru_cache
 from pathlib import Path
 
 from ._paths import TUNING_LOGS_DIR
-from .spec import AttentionSpec
+from .spec import DECODE_PHASES, AttentionSpec
 
 WORKLOADS, RECORDS = "database_workload.json", "database_tuning_record.json"
 SPEC_KEY, PHASE_KEY = "tvmflash.spec", "tvmflash.phase"  # root-block annotations of every trace
-PHASES = ("forward", "backward", "decode")
+PHASES = ("forward", "backward", *DECODE_PHASES)
 FAILED_SECS = 1e10  # MetaSchedule's run_secs of a candidate that failed to build or run
-
-
-def phase_of(knob: str) -> str:
-    """The tuning phase a knob belongs to (its kernels'): backward knobs start with `bwd_` or
-    `backward`, decode knobs with `decode_`."""
-    if knob.startswith(("bwd_", "backward")):
-        return "backward"
-    return "decode" if knob.startswith("decode_") else "forward"
 
 
 @dataclass(frozen=True)
