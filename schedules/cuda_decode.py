@@ -31,7 +31,7 @@ unrolled, its stores and index arithmetic made the kernel 12.5k instructions, an
 a quarter of the stall samples were instruction-cache misses (4.6-5.4k now; 3-4 us less a call
 on the H200).
 
-Two plans, one kernel each in a kv_cache module, by the cache's page size (spec.DECODE_PHASES,
+Two plans, one kernel each in a kv_cache module, by the cache's page size (tuning.DECODE_PHASES,
 each a tuning phase with its own knobs): `decode` for pages of fewer than DECODE_LONG_PAGE
 keys, `decode_long` for longer pages and contiguous caches. Measured on the H200 (B=16, H=32,
 Hk=8, D=128 bf16, 8k-64k keys, against cuDNN's kernel on a dense cache): in shuffled pages of 16
@@ -176,7 +176,7 @@ def merge_splits(O_PART, LSE_PART, O, LSE, top, ids, b, head, qi, r0, rows, S, w
 
 
 def decode_kernel_cuda(spec: AttentionSpec, knobs: dict, phase: str = "decode") -> tirx.PrimFunc:
-    """The decode kernel of `phase` (spec.DECODE_PHASES; its function's name), from that
+    """The decode kernel of `phase` (tuning.DECODE_PHASES; its function's name), from that
     phase's knobs."""
     D, dt = spec.head_dim, spec.dtype
     BN, W, ST, L2 = (knobs[f"{phase}_{k}"] for k in ("block_n", "warps", "stages", "l2_prefetch"))

@@ -4,7 +4,8 @@ take the spec, the mma.sync ones otherwise, and the split-KV decode kernels for 
 key hashes `schedules/cuda_*.py`. Which forward a call runs is tvmflash.ops' choice.)"""
 from __future__ import annotations
 
-from tvmflash.spec import DECODE_PHASES, AttentionSpec
+from tvmflash.spec import AttentionSpec
+from tvmflash.tuning import DECODE_PHASES
 
 from . import cuda_backward, cuda_backward_wgmma, cuda_decode, cuda_forward, cuda_forward_wgmma
 

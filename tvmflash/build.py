@@ -32,8 +32,8 @@ from filelock import FileLock
 
 from ._paths import PACKAGE_DIR, SCHEDULES_DIR
 from .cpu import request_amx, runs_avx512_amx, use_torch_threads
-from .spec import DECODE_PHASES, AttentionSpec
-from .tuning import tuned_knobs
+from .spec import AttentionSpec
+from .tuning import DECODE_PHASES, tuned_knobs
 
 CPU_KERNELS = ("forward", "backward_delta", "backward_dkdv", "backward_dq",
                "backward_fused")

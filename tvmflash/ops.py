@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from .spec import BLOCK_MASK_ARGS, DECODE_LONG_PAGE, DECODE_ROWS, VARIANT_ARGS, AttentionSpec
+from .spec import BLOCK_MASK_ARGS, DECODE_ROWS, VARIANT_ARGS, AttentionSpec
 
 _TORCH_TO_TVM = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -278,6 +278,7 @@ def _forward_split(kern: dict, q, k, v, out, lse, scale, mod_args) -> None:
 # record's <phase>_ctas_per_sm overrides it): one CTA an SM on long pages (no splits at B x Hk
 # >= SMs), several on short ones (schedules/cuda_decode.py)
 DECODE_CTAS_PER_SM = {"decode": 4, "decode_long": 1}
+DECODE_LONG_PAGE = 128  # pages of this many keys or more take the decode_long kernel
 
 
 def decode_phase(page_size: int) -> str:

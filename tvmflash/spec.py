@@ -23,15 +23,10 @@ VARIANT_ARGS = {"softcap": ("softcap",), "alibi": ("alibi_slopes",), "window": (
 VALUE_VARIANTS = ("softcap", "alibi")
 # a flex block mask's kernel arguments (after its mask_mod's captures): the tile map, then the
 # partial and full kv-block counts and lists per query block (torch's BlockMask fields)
-BLOCK_MASK_ARGS = ("mask_block_map", "mask_kv_num", "mask_kv_indices", "mask_full_kv_num", "mask_full_kv_indices")
 # a kv_cache spec's decode kernel takes a kv-head's query rows (its heads x queries) in blocks
 # of this many (one tensor-core m16 tile; schedules/cuda_decode.py)
 DECODE_ROWS = 16
-# its CUDA module holds one decode kernel per tuning phase, each with its own knobs (`<phase>_*`):
-# `decode` for caches in pages of fewer than DECODE_LONG_PAGE keys, `decode_long` for longer
-# pages and contiguous caches (short page runs read best from more CTAs an SM; schedules/cuda_decode.py)
-DECODE_PHASES = ("decode", "decode_long")
-DECODE_LONG_PAGE = 128
+BLOCK_MASK_ARGS = ("mask_block_map", "mask_kv_num", "mask_kv_indices", "mask_full_kv_num", "mask_full_kv_indices")
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._paths import TUNING_LOGS_DIR
-from .spec import DECODE_PHASES, AttentionSpec
-from .tuning import FAILED_SECS, PHASE_KEY, SPEC_KEY, Database, tuned_knobs
+from .spec import AttentionSpec
+from .tuning import DECODE_PHASES, FAILED_SECS, PHASE_KEY, SPEC_KEY, Database, tuned_knobs
 
 TUNED_SPECS = {
     "cuda": [AttentionSpec(dt, d, causal=c) for dt, d, c in itertools.product(

@@ -21,10 +21,14 @@ from functools import lru_cache
 from pathlib import Path
 
 from ._paths import TUNING_LOGS_DIR
-from .spec import DECODE_PHASES, AttentionSpec
+from .spec import AttentionSpec
 
 WORKLOADS, RECORDS = "database_workload.json", "database_tuning_record.json"
 SPEC_KEY, PHASE_KEY = "tvmflash.spec", "tvmflash.phase"  # root-block annotations of every trace
+# a kv_cache spec's CUDA module holds one decode kernel per decode phase, each with its own knobs
+# (`<phase>_*`): `decode` for caches in pages of fewer than ops.DECODE_LONG_PAGE keys,
+# `decode_long` for longer pages and contiguous caches (schedules/cuda_decode.py)
+DECODE_PHASES = ("decode", "decode_long")
 PHASES = ("forward", "backward", *DECODE_PHASES)
 FAILED_SECS = 1e10  # MetaSchedule's run_secs of a candidate that failed to build or run
 
