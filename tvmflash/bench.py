@@ -472,19 +472,26 @@ def plot_results(json_path: str | Path) -> Path:
 def plot_ratio_bars(path: Path, labels: list, series: dict, ylabel: str, title: str, log: bool = False,
                     fontsize: int = 8) -> None:
     """Grouped bars of ratios (1.0 marked): one group per label, one bar per series (name ->
-    one value per label). For the scripts' comparisons (variants, flex)."""
+    one value per label). For the scripts' comparisons (variants, flex). Long one-line labels
+    are wrapped (side by side they overlapped)."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
 
+    labels = [label if "\n" in label else textwrap.fill(label, 16) for label in labels]
     fig, ax = plt.subplots(figsize=(max(8.0, 0.9 * len(labels) + 2), 3.8))
     width = 0.76 / len(series)
     for i, (name, values) in enumerate(series.items()):
         ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))], values, width, label=name)
     ax.axhline(1.0, color="k", lw=0.8)
-    if log:
+    if log:  # plain numbers on the ticks, not powers of ten
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
     ax.set_xticks(list(range(len(labels))), labels, fontsize=fontsize)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
