@@ -282,7 +282,7 @@ DECODE_LONG_PAGE = 128  # pages of this many keys or more take the decode_long k
 
 
 def decode_phase(page_size: int) -> str:
-    """The CUDA decode kernel (spec.DECODE_PHASES) for a cache in pages of `page_size` keys (a
+    """The CUDA decode kernel (tuning.DECODE_PHASES) for a cache in pages of `page_size` keys (a
     contiguous cache: its capacity)."""
     return "decode_long" if page_size >= DECODE_LONG_PAGE else "decode"
 
@@ -323,7 +323,7 @@ def _decode_plan(q: torch.Tensor, heads_k: int, page_size: int, capacity: int, c
     B, H, Lq, D = q.shape
     spec, per_sm = _decode_spec(q.dtype, D, causal, window, softcap, alibi)
     row_blocks = B * heads_k * -(-(H // heads_k) * Lq // DECODE_ROWS)  # CUDA: a split's CTAs
-    phase = decode_phase(page_size)
+    phase = decode_phase(page_size) if q.is_cuda else None
     if q.is_cuda:
         splits = cuda_decode_splits(q.device, row_blocks, capacity, per_sm[phase], num_splits)
     else:
