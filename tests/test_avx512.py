@@ -241,6 +241,14 @@ AMX_DROPOUT_SHAPES = [[(300, 2100, "fused"), (203, 113, "split")], [(113, 203, "
                       [(113, 203, "fused"), (203, 113, "split")]]
 
 
+def amx_dropout_spec(causal, window, softcap, alibi_kind, dropout_p, d):
+    """The spec of an AMX_DROPOUT case (scripts/device_prebuild_cpu.py builds them all)."""
+    from tvmflash import ops
+
+    return ops.spec_for(torch.empty(1, 1, 1, d, dtype=torch.bfloat16), None, "bottom_right" if causal else "none",
+                        window, softcap, torch.ones(1) if alibi_kind else None, dropout_p)
+
+
 @needs_amx
 @pytest.mark.parametrize("causal,window,softcap,alibi_kind,dropout_p,d,lq,lk,plan",
                          [(*case, *shape) for case, shapes in zip(AMX_DROPOUT, AMX_DROPOUT_SHAPES) for shape in shapes],
@@ -255,8 +263,7 @@ def test_amx_dropout(causal, window, softcap, alibi_kind, dropout_p, d, lq, lk, 
     from tvmflash import ops
 
     monkeypatch.setenv("TVMFLASH_BACKWARD", plan)
-    spec = ops.spec_for(torch.empty(1, 1, 1, d, dtype=torch.bfloat16), None, "bottom_right" if causal else "none",
-                        window, softcap, torch.ones(1) if alibi_kind else None, dropout_p)
+    spec = amx_dropout_spec(causal, window, softcap, alibi_kind, dropout_p, d)
     assert "forward_pack" in ops._kernels(spec, torch.device("cpu"))  # the AMX kernels take dropout
     b, h = 2, 4
     q, k, v, dout = make(b, h, 2, lq, lk, d, torch.bfloat16, seed=lq + lk)
