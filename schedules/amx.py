@@ -14,6 +14,7 @@ from tvm.script.ir_builder import tirx as irb
 
 from .. import rng
 from ..kernels.common import F32
+from ..kernels.dropout import philox_ops
 
 BF16 = "bfloat16"
 PAIR = "uint32"  # two bf16 (a VNNI pair) of a tile operand built in the kernel; bf16 scratch
@@ -145,7 +146,6 @@ def tile_gemm(c_at, c_ld, a_at, a_ld, b_at, b_ld, m, n, k, accumulate):
 
 
 # ----------------------------------------------------------------------------- dropout
-U32X16 = "uint32x16"
 _LANE = tirx.Ramp(_u32(0), _u32(1), 16)
 
 
@@ -153,26 +153,10 @@ def _u32x16(value):
     return tirx.Broadcast(_u32(value) if isinstance(value, int) else value, 16)
 
 
-def _wide(a):
-    return tirx.Cast("uint64x16", a)
-
-
-def _u64x16(value: int):
-    return tirx.Broadcast(tirx.const(value, "uint64"), 16)
-
-
-def _mulhilo_16(a, m: int):
-    """(high, low) words of a * m for 16 uint32 lanes, from their 64-bit products (vpmuludq).
-    Wrapping arithmetic goes through 64-bit lanes: TVM marks uint32 multiplies and adds
-    no-unsigned-wrap, and LLVM miscompiled Philox's third round from that promise. (Reinterpreting
-    the lanes as 8 x uint64 instead, which gave the tightest code, made TVM's passes take time
-    exponential in the rounds.)"""
-    prod = _wide(a) * _u64x16(m)
-    return tirx.Cast(U32X16, prod >> _u64x16(32)), tirx.Cast(U32X16, prod)
-
-
-PHILOX_16 = rng.Ops(mulhilo=_mulhilo_16, add=lambda a, m: tirx.Cast(U32X16, _wide(a) + _u64x16(m)),
-                    bind=lambda x: irb.bind(x))
+# 16 Philox calls at once, their 64-bit products on vpmuludq (reinterpreting the lanes as 8 x
+# uint64 instead, which gave the tightest code, made TVM's passes take time exponential in the
+# rounds)
+PHILOX_16 = philox_ops(16)
 
 
 def philox_16(drop, words, b, h, q0, k0, kc, ic, v):

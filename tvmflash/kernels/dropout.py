@@ -30,13 +30,26 @@ def _u32(value: int):
     return tirx.const(value, U32)
 
 
-def _mulhilo(a, m):
-    prod = tirx.Cast(U64, a) * tirx.const(m, U64)
-    return tirx.Cast(U32, prod >> tirx.const(32, U64)), a * _u32(m)
+def philox_ops(lanes: int = 1) -> rng.Ops:
+    """rng.Ops on TIR uint32 values of `lanes` lanes; every round's words are bound once (they
+    are used more than once). The wrapping arithmetic goes through 64-bit values cast back to
+    32 bits, which cannot overflow: TVM's LLVM codegen marks uint32 multiplies and adds
+    no-unsigned-wrap, and LLVM miscompiled the 16-lane Philox from that promise (from its
+    third round). On CUDA the product is one mul.wide.u32, both words."""
+    u32, u64 = (U32, U64) if lanes == 1 else (f"{U32}x{lanes}", f"{U64}x{lanes}")
+
+    def const(value: int):
+        c = tirx.const(value, U64)
+        return c if lanes == 1 else tirx.Broadcast(c, lanes)
+
+    def mulhilo(a, m):
+        prod = tirx.Cast(u64, a) * const(m)
+        return tirx.Cast(u32, prod >> const(32)), tirx.Cast(u32, prod)
+
+    return rng.Ops(mulhilo=mulhilo, add=lambda a, m: tirx.Cast(u32, tirx.Cast(u64, a) + const(m)), bind=irb.bind)
 
 
-# TIR expressions; every round's words are bound once (they are used more than once)
-TIR_OPS = rng.Ops(mulhilo=_mulhilo, add=lambda a, m: a + _u32(m), bind=lambda x: irb.bind(x))
+TIR_OPS = philox_ops()
 
 
 @dataclass(frozen=True)
