@@ -13,7 +13,7 @@ tile is read once for all of them); with Lq = 1 and 4 heads per kv-head that is 
 tile's rows, which costs tensor-core cycles the memory-bound kernel has to spare. A split
 owns a range of K/V tiles of `block_n` keys, aligned to cache positions so that each
 16 keys lie in one page (pages are multiples of 16): one table lookup per 16 rows. Tiles
-stream through a ring of `decode_stages` shared-memory buffers, filled by all the CTA's
+stream through a ring of `stages` shared-memory buffers, filled by all the CTA's
 threads (`cp.async`, rows past the sequence zero-filled, page numbers clamped to the cache;
 rows swizzled where the head dim allows, `SwizzledRows`: with padded rows the copies' L2
 traffic was 1.5x the bytes read and the kernel L2-bound at 0.92-0.95x cuDNN's speed on the

@@ -35,9 +35,9 @@ def philox_ops(lanes: int = 1) -> rng.Ops:
     are used more than once). The wrapping arithmetic goes through 64-bit values cast back to
     32 bits, which cannot overflow: TVM's LLVM codegen marks uint32 multiplies and adds
     no-unsigned-wrap, and LLVM miscompiled the 16-lane Philox from that promise (from its
-    third round). The product is bound, so that TVM's simplifier cannot narrow it back to a
-    32-bit multiply (it tried, and failed on the folded constant); on CUDA it is one
-    mul.wide.u32, both words."""
+    third round). The low word is the product masked (binding the product instead let TVM's
+    IntSetAnalyzer cast the product's range to uint32 and fail, on CUDA); there the product is
+    one mul.wide.u32, both words."""
     u32, u64 = (U32, U64) if lanes == 1 else (f"{U32}x{lanes}", f"{U64}x{lanes}")
 
     def const(value: int):
