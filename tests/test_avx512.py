@@ -210,12 +210,18 @@ def test_amx_forward_reads_whole_keys_in_place():
 AMX_VARIANTS = [(False, 0.0, "h"), (True, 0.0, "bh"), (False, 20.0, None), (True, 5.0, None), (True, 5.0, "h")]
 
 
-def amx_variant_specs() -> set:
+def amx_spec(causal, window, softcap, alibi_kind, dropout_p, d):
+    """The bf16 spec of an AMX variant or dropout case."""
     from tvmflash.ops import spec_for
 
-    return {spec_for(torch.empty(1, 1, 1, d, dtype=torch.bfloat16), None, "bottom_right" if causal else "none",
-                     (-1, -1), softcap, torch.ones(1) if kind else None)
-            for causal, softcap, kind in AMX_VARIANTS for d in (64, 128)}
+    return spec_for(torch.empty(1, 1, 1, d, dtype=torch.bfloat16), None, "bottom_right" if causal else "none",
+                    window, softcap, torch.ones(1) if alibi_kind else None, dropout_p)
+
+
+def amx_variant_specs() -> set:
+    """The specs of test_amx_variants and test_amx_dropout."""
+    return ({amx_spec(causal, (-1, -1), softcap, kind, 0.0, d) for causal, softcap, kind in AMX_VARIANTS
+             for d in (64, 128)} | {amx_spec(*case) for case in AMX_DROPOUT})
 
 
 @needs_amx
@@ -233,20 +239,13 @@ def test_amx_variants(causal, softcap, alibi_kind, lq, lk, d):
                             causal="bottom_right" if causal else "none", softcap=softcap, alibi_slopes=slopes)
 
 
-# (causal, window, softcap, ALiBi slopes' kind, dropout_p, head dim): one module each, two shapes
+# (causal, window, softcap, ALiBi slopes' kind, dropout_p, head dim): one module each (built by
+# scripts/device_prebuild_cpu.py with AMX_VARIANTS' through amx_variant_specs), two shapes
 # and backward plans each (300 x 2100 at head dim 128 runs forward_long)
 AMX_DROPOUT = [(False, (-1, -1), 0.0, None, 0.3, 128), (True, (-1, -1), 0.0, None, 0.1, 64),
                (True, (64, 0), 5.0, "h", 0.2, 64)]
 AMX_DROPOUT_SHAPES = [[(300, 2100, "fused"), (203, 113, "split")], [(113, 203, "split"), (17, 17, "fused")],
                       [(113, 203, "fused"), (203, 113, "split")]]
-
-
-def amx_dropout_spec(causal, window, softcap, alibi_kind, dropout_p, d):
-    """The spec of an AMX_DROPOUT case (scripts/device_prebuild_cpu.py builds them all)."""
-    from tvmflash import ops
-
-    return ops.spec_for(torch.empty(1, 1, 1, d, dtype=torch.bfloat16), None, "bottom_right" if causal else "none",
-                        window, softcap, torch.ones(1) if alibi_kind else None, dropout_p)
 
 
 @needs_amx
@@ -263,7 +262,7 @@ def test_amx_dropout(causal, window, softcap, alibi_kind, dropout_p, d, lq, lk, 
     from tvmflash import ops
 
     monkeypatch.setenv("TVMFLASH_BACKWARD", plan)
-    spec = amx_dropout_spec(causal, window, softcap, alibi_kind, dropout_p, d)
+    spec = amx_spec(causal, window, softcap, alibi_kind, dropout_p, d)
     assert "forward_pack" in ops._kernels(spec, torch.device("cpu"))  # the AMX kernels take dropout
     b, h = 2, 4
     q, k, v, dout = make(b, h, 2, lq, lk, d, torch.bfloat16, seed=lq + lk)

@@ -1,8 +1,8 @@
 """Tuning records: `tuning_logs/<target>/` is a MetaSchedule JSON database, read by every build.
 
 One workload per (spec, phase): a stub PrimFunc whose attributes name them (`tvmflash.spec`,
-`tvmflash.phase`; phases `forward`, `backward`, `decode`, `decode_long` tune disjoint knobs). A tuning record's
-trace is the knob choice written as MetaSchedule instructions: per knob, a `sample_categorical`
+`tvmflash.phase`; phases `forward`, `backward`, `decode`, `decode_long` tune disjoint knobs).
+A tuning record's trace is the knob choice written as MetaSchedule instructions: per knob, a `sample_categorical`
 over the knob's candidate values (its decision is the chosen one) whose result annotates the
 root block under the knob's name; run_secs is the candidate's measured time. So
 `ms.database.JSONDatabase(work_dir=...)` opens the files, `get_top_k` ranks the candidates and
