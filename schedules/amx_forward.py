@@ -197,6 +197,20 @@ def block_max(sT, src_scale, tmax, k0, seqlen_k, block_k, block_q, terms=None):
                     sT, src_scale, j, cols, tirx.Broadcast(T.float32(0), 16), terms), NEG_INF16))
 
 
+def diagonal_walk(step, kb_lo, kb_hi, q0, seqlen_q, seqlen_k, block_q: int, block_k: int):
+    """The kv block that step `step` (kb_lo, kb_lo + 1, ...) of a q-block from q0 visits: from
+    the block of the q-block's middle row's diagonal down to kb_lo, then up from the block after
+    it (ALiBi: each row's largest biases lie at its diagonal and fall away from it, so the
+    running max is set early and moves at most once more, for rows whose diagonal lies further
+    up; in key order a causal call's max rose with every block, each a rescale of O and a second
+    softmax pass). The kernel stores the index in a buffer: one the block bodies could see
+    through (a floormod of the step) made TVM's simplifier take minutes on ALiBi modules."""
+    t = step - kb_lo
+    middle = (q0 + block_q // 2 + seqlen_k - seqlen_q) // block_k
+    first = tirx.min(tirx.max(middle, kb_lo), kb_hi - 1)
+    return tirx.Select(t <= first - kb_lo, first - t, kb_lo + t)
+
+
 def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int, with_k: bool = True) -> tirx.PrimFunc:
     """kp[b, h, j, d] = K (0 past Lk), vt[b, h, d, j] = V^T (0 past Lk), j < padded length:
     `forward_pack` (k, v, kp, vt). Without `with_k`, V^T only: `forward_pack_vt` (v, vt), for
@@ -283,6 +297,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                 accT = T.sblock_alloc_buffer((D, ROW), F32)
                 sT = T.sblock_alloc_buffer((BK, ROW), F32)  # a kv block's S^T (modified in place)
                 pp = T.sblock_alloc_buffer((BK // 2, ROW), PAIR)
+                walk = T.sblock_alloc_buffer((1,), "int64")  # the kv block a step visits (diagonal_walk)
                 vhk = T.meta_var(vh // (H // HK))
                 q0 = T.meta_var(vqb * BQ)
                 kb_lo, kb_hi = T.meta_var(score.kv_blocks(q0, T.min(q0 + BQ, LQ), BK))
@@ -322,7 +337,10 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         rowterm = T.sblock_alloc_buffer((BQ,), F32)
                         zT = T.sblock_alloc_buffer(Z_SHAPE, F32)  # dropout's factors Z (S^T-shaped)
                         words = T.sblock_alloc_buffer(WORDS_SHAPE, "uint32")  # and Philox words
-                        k0 = T.meta_var(vkb * BK)
+                        if score.splits_bias:
+                            with T.sblock("walk_step"):
+                                walk[0] = diagonal_walk(vkb, kb_lo, kb_hi, q0, LQ, LK, BQ, BK)
+                        k0 = T.meta_var(walk[0] * BK if score.splits_bias else vkb * BK)
                         with T.sblock("qk_amx"):  # S^T = K rows . Q^T
                             T.reads(KP[vb, vhk, k0:k0 + BK, 0:D], qp[0:D // 2, 0:BQ], cfg[0:64])
                             T.writes(sT[0:BK, 0:BQ])
