@@ -239,6 +239,25 @@ def test_amx_variants(causal, softcap, alibi_kind, lq, lk, d):
                             causal="bottom_right" if causal else "none", softcap=softcap, alibi_slopes=slopes)
 
 
+@pytest.mark.parametrize("lq,lk,q0", [(2048, 2048, 1024), (300, 2100, 0), (2100, 300, 1792), (64, 64, 0)])
+def test_alibi_walk_visits_every_block_once_from_the_diagonal(lq, lk, q0):
+    """amx_forward.diagonal_walk (the ALiBi forward's kv order): a permutation of the q-block's
+    kv blocks that starts at the block of its middle row's diagonal (clamped into the range),
+    descends to the first block, then ascends."""
+    from tvm import tirx
+    from tvm.sym.analyzer import Analyzer
+
+    from tvmflash.schedules.amx_forward import diagonal_walk
+
+    bq, bk = 64, 64
+    lo, hi = 0, -(-lk // bk)
+    blocks = [int(Analyzer().simplify(diagonal_walk(tirx.IntImm("int64", lo + t), lo, hi, q0, lq, lk, bq, bk)))
+              for t in range(hi - lo)]
+    first = min(max((q0 + bq // 2 + lk - lq) // bk, lo), hi - 1)
+    assert sorted(blocks) == list(range(lo, hi)) and blocks[0] == first
+    assert blocks == list(range(first, lo - 1, -1)) + list(range(first + 1, hi))
+
+
 # (causal, window, softcap, ALiBi slopes' kind, dropout_p, head dim): one module each (built by
 # scripts/device_prebuild_cpu.py with AMX_VARIANTS' through amx_variant_specs), two shapes
 # and backward plans each (300 x 2100 at head dim 128 runs forward_long)
