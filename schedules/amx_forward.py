@@ -340,6 +340,8 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         if score.splits_bias:
                             with T.sblock("walk_step"):
                                 walk[0] = diagonal_walk(vkb, kb_lo, kb_hi, q0, LQ, LK, BQ, BK)
+                        # (vkb stays the step's index: `vkb == kb_lo` below means the first step
+                        # visited, whichever block the walk gives it)
                         k0 = T.meta_var(walk[0] * BK if score.splits_bias else vkb * BK)
                         with T.sblock("qk_amx"):  # S^T = K rows . Q^T
                             T.reads(KP[vb, vhk, k0:k0 + BK, 0:D], qp[0:D // 2, 0:BQ], cfg[0:64])
