@@ -27,6 +27,12 @@ AMX_KV_PAD = 128  # packed K / V^T rows per (batch, kv-head) are a multiple of t
 # `forward_long`, whose q-blocks of `long_block_q` rows read them a quarter as often. (Xeon,
 # bf16 L=4096 D=128: 35 ms with 256-row q-blocks, 43 with 64; at L=1024 64 rows are 8% faster.)
 AMX_LONG_KV_BYTES = 1 << 20
+# Attention that visits every kv block of each q-block (no causal, window, block mask or packed
+# sequences) takes `forward_long` from a quarter of that: its taller q-blocks load each K / V^T
+# tile a quarter as often, and there is no masked diagonal tile work to grow with them. (Xeon,
+# bf16, same process, forward_long vs forward: non-causal 1.13x at L=1024 D=64, 1.03x at D=128,
+# 1.14x at L=2048 D=64; causal 0.90-0.94x at D=128 up to L=2048.)
+AMX_LONG_DENSE_KV_BYTES = 1 << 18
 AMX_LONG_MIN_QUERIES = 256  # fewer queries (chunked prefill on a long cache) would mostly fill
 # `forward_long`'s q-blocks with padding rows, whose tile work costs as much as real ones
 

@@ -188,6 +188,24 @@ def test_amx_forward_for_long_keys():
     check_against_reference(q, k, v, dout, flash_run(True), causal="bottom_right")
 
 
+def test_dense_attention_takes_tall_q_blocks_from_shorter_keys():
+    """Attention whose q-blocks visit every kv block runs `forward_long` from packs of
+    AMX_LONG_DENSE_KV_BYTES (L=1024 at D=64); causal, windowed and packed-sequence attention
+    from AMX_LONG_KV_BYTES (no module is built: the choice is the dispatch's)."""
+    from tvmflash import ops
+
+    kernels = {"forward": None, "forward_long": None}
+    q = k = torch.empty(1, 1, 1024, 64, dtype=torch.bfloat16)
+    assert ops._visits_every_kv_block(AttentionSpec("bfloat16", 64, mask="bool", variants=("softcap", "alibi")))
+    for skipping in (AttentionSpec("bfloat16", 64, causal="bottom_right"), AttentionSpec("bfloat16", 64, variants=("window",)),
+                     AttentionSpec("bfloat16", 64, variants=("varlen",))):
+        assert not ops._visits_every_kv_block(skipping)
+    assert ops._forward_kernel_name(kernels, q, k, every_block=True) == "forward_long"
+    assert ops._forward_kernel_name(kernels, q, k) == "forward"
+    assert ops._forward_kernel_name(kernels, q, k[:, :, :512], every_block=True) == "forward"
+    assert ops._forward_kernel_name(kernels, q[:, :, :255], k, every_block=True) == "forward"
+
+
 @needs_amx
 def test_amx_forward_reads_whole_keys_in_place():
     """Keys that fill whole padded lengths (multiples of AMX_KV_PAD) are not copied: the
