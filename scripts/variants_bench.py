@@ -4,13 +4,20 @@ fraction of skipped kv blocks (window 256 at L=16k: >= 8x faster than full atten
 and softcap should cost <= 15% over the plain kernel. Forward and forward+backward, medians of
 interleaved samples (tvmflash.bench's protocol). Writes JSON + a plot.
 
-    python scripts/variants_bench.py [OUT_DIR]    # CUDA if available (L=16384), else CPU (L=4096)
+Dropout is also timed on torch's own kernels (SDPA with dropout_p; on CUDA its flash and cuDNN
+backends, each pinned), plain and with dropout, in the same interleaving: what dropout costs
+them, and our dropout against the fastest of theirs.
+
+    python scripts/variants_bench.py [OUT_DIR] [CASE ...]  # CUDA if available (L=16384), else CPU
+                                                           # (L=4096); CASE: substrings of the case
+                                                           # names to run (default: all)
 """
 import json
 import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import tvmflash
 from tvmflash.bench import (_auto_iters, _interleaved_median_ms, _warm_up, cuda_tag, machine_info, plot_ratio_bars,
@@ -88,35 +95,86 @@ def window_walks(q, k, v) -> list:
     return rows
 
 
-def main(out_dir: Path) -> None:
+def torch_attention(device: str, kw: dict) -> dict:
+    """Backend name -> torch SDPA of flash_attn_func's (B, L, H, D) tensors with the case's
+    causal flag and dropout_p (CUDA: flash and cuDNN, pinned; CPU: torch's choice)."""
+    def sdpa(q, k, v):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             dropout_p=kw.get("dropout_p", 0.0), is_causal=kw.get("causal", False))
+        return out.transpose(1, 2)
+
+    if device != "cuda":
+        return {"torch": sdpa}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def pinned(backend):
+        def attention(q, k, v):
+            with sdpa_kernel(backend):
+                return sdpa(q, k, v)
+        return attention
+
+    return {"torch flash": pinned(SDPBackend.FLASH_ATTENTION), "torch cudnn": pinned(SDPBackend.CUDNN_ATTENTION)}
+
+
+def timed_calls(fns: dict, label: str, attn, q, k, v, dout, device: str) -> float:
+    """Adds `label`'s forward and forward+backward calls of `attn` to `fns`; the warm-up's ms."""
+    _, ms = _warm_up(attn, q, k, v, dout, 2, device)
+    fns[f"{label} fwd"] = lambda: attn(q, k, v)
+    fns[f"{label} fwd+bwd"] = lambda: torch.autograd.grad(attn(q, k, v), (q, k, v), dout)
+    return ms
+
+
+def main(out_dir: Path, only: list) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         steady_heap()  # torch's CPU SDPA at its best in every process (bench.steady_heap)
     seqlen, (q, k, v), dout, slopes = setup(device)
     rows = []
     for name, plain, variant in CASES:
+        if only and not any(word in name for word in only):
+            continue
         fns = {}
         for label, kw in (("plain", plain), ("variant", variant)):
             kw = {key: slopes if val == "slopes" else val for key, val in kw.items()}
-            attn = (lambda kw: lambda q, k, v: tvmflash.flash_attn_func(q, k, v, **kw))(kw)
-            out, ms = _warm_up(attn, q, k, v, dout, 2, device)
-            fns[f"{label} fwd"] = (lambda a: lambda: a(q, k, v))(attn)
-            fns[f"{label} fwd+bwd"] = (lambda a: lambda: torch.autograd.grad(a(q, k, v), (q, k, v), dout))(attn)
-        iters = _auto_iters(ms)
-        t = _interleaved_median_ms(fns, rounds=5, iters=iters, device=device)
+            ms = timed_calls(fns, label, (lambda kw: lambda q, k, v: tvmflash.flash_attn_func(q, k, v, **kw))(kw),
+                             q, k, v, dout, device)
+        theirs = []
+        if "dropout_p" in variant:  # torch has dropout too: its kernels' cost of it, ours against theirs
+            for label, kw in (("plain", plain), ("variant", variant)):
+                for backend, attn in torch_attention(device, kw).items():
+                    try:
+                        timed_calls(fns, f"{backend} {label}", attn, q, k, v, dout, device)
+                        theirs.append(backend)
+                    except RuntimeError:  # a backend that does not take this shape or dropout
+                        pass
+        theirs = [b for b in dict.fromkeys(theirs) if f"{b} variant fwd" in fns and f"{b} plain fwd" in fns]
+        t = _interleaved_median_ms(fns, rounds=5, iters=_auto_iters(ms), device=device)
         row = {"case": name, "seqlen": seqlen, "ms": t,
                "speedup_fwd": t["plain fwd"] / t["variant fwd"],
                "speedup_fwd_bwd": t["plain fwd+bwd"] / t["variant fwd+bwd"]}
+        if theirs:
+            for phase in ("fwd", "fwd+bwd"):
+                best = min(theirs, key=lambda b: t[f"{b} variant {phase}"])
+                key = phase.replace("+", "_")
+                row[f"torch_speedup_{key}"] = {b: t[f"{b} plain {phase}"] / t[f"{b} variant {phase}"] for b in theirs}
+                row[f"vs_best_torch_{key}"] = t[f"{best} variant {phase}"] / t[f"variant {phase}"]
+                row[f"best_torch_{key}"] = best
         rows.append(row)
         print(f"{name}: fwd {t['variant fwd']:.2f} ms vs plain {t['plain fwd']:.2f} ms (x{row['speedup_fwd']:.2f}); "
-              f"fwd+bwd {t['variant fwd+bwd']:.2f} vs {t['plain fwd+bwd']:.2f} ms (x{row['speedup_fwd_bwd']:.2f})",
-              flush=True)
+              f"fwd+bwd {t['variant fwd+bwd']:.2f} vs {t['plain fwd+bwd']:.2f} ms (x{row['speedup_fwd_bwd']:.2f})"
+              + (f"; vs torch's best with dropout: fwd x{row['vs_best_torch_fwd']:.2f}, fwd+bwd "
+                 f"x{row['vs_best_torch_fwd_bwd']:.2f}; torch's own dropout cost: {row['torch_speedup_fwd']}, "
+                 f"{row['torch_speedup_fwd_bwd']}" if theirs else ""), flush=True)
     tag = f"{cuda_tag()}-variants" if device == "cuda" else "cpu-xeon-16core-variants"
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"machine": machine_info(device), "shape": {"B": B, "H": H, "D": D, "L": seqlen, "dtype": "bf16"},
-            "note": "speedup = plain time / variant time (> 1: the variant is faster)", "rows": rows}
-    if device == "cuda":
+            "note": "speedup = plain time / variant time (> 1: the variant is faster); dropout rows: "
+                    "torch_speedup = the same for each torch kernel (its plain / its dropout time), "
+                    "vs_best_torch = the fastest torch kernel's dropout time / ours (> 1: ours faster)", "rows": rows}
+    if device == "cuda" and not only:
         meta["window_walks"] = window_walks(q, k, v)
+    if only:
+        tag += "-" + "-".join(word.split()[0].lower() for word in only)  # a partial run: its own files
     (out_dir / f"{tag}.json").write_text(json.dumps(meta, indent=1))
     plot_ratio_bars(out_dir / f"{tag}.png", [r["case"] for r in rows],
                     {"forward": [r["speedup_fwd"] for r in rows], "forward+backward": [r["speedup_fwd_bwd"] for r in rows]},
@@ -126,4 +184,4 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results"))
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results"), sys.argv[2:])
