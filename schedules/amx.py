@@ -42,6 +42,46 @@ def bf16_row(lo, hi):
 _INTERLEAVE = [x for m in range(16) for x in (m, m + 16)]
 
 
+def word_column(src, b, h, r0, p, rows):
+    """The 32-bit words src[b, h, r0 + r, 2p : 2p + 2] (a bf16 pair) of rows r < 32, as two
+    int32x16 (rows r0..r0+15, r0+16..r0+31; 0 for rows past `rows`), by two `vpgatherdd` (row
+    indices clamped in bounds). A TIR load of a column gathers lane by lane (a 16-bit insert
+    an element, which cost the AMX forward's V^T pack about a tenth of an L = 1024 call);
+    emits its bindings into the statement being built."""
+    lanes = tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), 16)
+    row_bytes = tirx.Broadcast(tirx.Cast("int32", src.strides[2] * 2), 16)
+    last = tirx.Broadcast(tirx.Cast("int32", rows - 1), 16)
+    zero = tirx.Broadcast(tirx.const(0, "int32"), 16)
+    base = tirx.address_of(src[b, h, 0, p * 2])
+    words = []
+    for half in range(2):
+        row = tirx.Broadcast(tirx.Cast("int32", r0 + half * 16), 16) + lanes
+        gathered = tirx.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.mask.gather.dpi.512", zero, base,
+                                              tirx.min(row, last) * row_bytes,
+                                              tirx.Broadcast(tirx.const(True, "bool"), 16), tirx.const(1, "int32"))
+        words.append(irb.bind(tirx.Select(row <= last, gathered, zero)))
+    return words
+
+
+def store_words(dst, prefix: list, r0, words) -> None:
+    """dst[*prefix, r0 : r0 + 32] = `word_column`'s 32 words (as VNNI pairs)."""
+    for half, w in enumerate(words):
+        irb.buffer_store(dst, tirx.reinterpret(PAIR + "x16", w), [*prefix, tirx.Ramp(r0 + half * 16, 1, 16)])
+
+
+_LOW_HALVES = [tirx.const(2 * i, "int32") for i in range(32)]
+_HIGH_HALVES = [tirx.const(2 * i + 1, "int32") for i in range(32)]
+
+
+def store_word_halves(dst, b, h, p, r0, words):
+    """dst[b, h, 2p + e, r0 : r0 + 32] = half e of each of `word_column`'s 32 words: the
+    transpose of a bf16 column pair, one shuffle a row."""
+    halves = [tirx.reinterpret("int16x32", w) for w in words]
+    for e, picks in enumerate((_LOW_HALVES, _HIGH_HALVES)):
+        irb.buffer_store(dst, tirx.reinterpret("bfloat16x32", tirx.Shuffle(halves, picks)),
+                         [b, h, p * 2 + e, tirx.Ramp(r0, 1, 32)])
+
+
 def bf16_pairs(even, odd):
     """Two fp32x16 rows (K-dim rows 2p and 2p + 1) as 16 VNNI pairs of a B operand."""
     return tirx.reinterpret("uint32x16", tirx.Shuffle([_to_bf16(even, odd)], _INTERLEAVE))

@@ -28,7 +28,7 @@ from ..kernels.backward import declare_backward_inputs, load_row_stats
 from ..kernels.common import F32, KernelArgs, Shape, fast_exp
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
 from .amx import (BF16, PAIR, amx_dropout_buffers, bf16_pairs, bf16_row, configure_tiles, dropout_tile_16, pair_bits,
-                  release_tiles, tile_gemm)
+                  release_tiles, store_word_halves, store_words, tile_gemm, word_column)
 from .amx_forward import amx_supported, dropped, modified, z_rows
 
 __all__ = ["amx_supported", "backward_amx_pack_kernel", "backward_amx_kernel"]
@@ -83,10 +83,12 @@ def backward_amx_pack_kernel(spec, pad: int) -> tirx.PrimFunc:
                         vj, vd = T.axis.remap("SS", [j, d])
                         P.kp[vb, vh, j0 + vj, vd] = T.Select(j0 + vj < LK, K[vb, vh, key(vj), vd], T.bfloat16(0))
                         P.vp[vb, vh, j0 + vj, vd] = T.Select(j0 + vj < LK, V[vb, vh, key(vj), vd], T.bfloat16(0))
-                for j, d in T.grid(CH, D):
+                for p in T.serial(D // 2):
                     with T.sblock("pack_kT"):
-                        vj, vd = T.axis.remap("SS", [j, d])
-                        P.kt[vb, vh, vd, j0 + vj] = T.Select(j0 + vj < LK, K[vb, vh, key(vj), vd], T.bfloat16(0))
+                        vp = T.axis.remap("S", [p])
+                        T.reads(K[vb, vh, 0:LK, vp * 2:vp * 2 + 2])
+                        T.writes(P.kt[vb, vh, vp * 2:vp * 2 + 2, j0:j0 + CH])
+                        store_word_halves(P.kt, vb, vh, vp, j0, word_column(K, vb, vh, j0, vp, LK))
         for t in T.parallel(B * H * NQC):
             with T.sblock("q_rows"):
                 vb = T.axis.spatial(B, t // (H * NQC))
@@ -94,13 +96,13 @@ def backward_amx_pack_kernel(spec, pad: int) -> tirx.PrimFunc:
                 vc = T.axis.spatial(NQC, t % NQC)
                 i0 = T.meta_var(vc * CH)
                 row = T.meta_var(lambda i: T.min(i0 + i, LQ - 1))
-                for i, p in T.grid(CH, D // 2):
+                for p in T.serial(D // 2):
                     with T.sblock("pack_qd"):
-                        vi, vp = T.axis.remap("SS", [i, p])
-                        P.qd[vb, vh, vp, i0 + vi] = T.Select(
-                            i0 + vi < LQ, pair_bits(Q[vb, vh, row(vi), 2 * vp], Q[vb, vh, row(vi), 2 * vp + 1]), T.uint32(0))
-                        P.dod[vb, vh, vp, i0 + vi] = T.Select(
-                            i0 + vi < LQ, pair_bits(DO[vb, vh, row(vi), 2 * vp], DO[vb, vh, row(vi), 2 * vp + 1]), T.uint32(0))
+                        vp = T.axis.remap("S", [p])
+                        T.reads(Q[vb, vh, 0:LQ, vp * 2:vp * 2 + 2], DO[vb, vh, 0:LQ, vp * 2:vp * 2 + 2])
+                        T.writes(P.qd[vb, vh, vp, i0:i0 + CH], P.dod[vb, vh, vp, i0:i0 + CH])
+                        store_words(P.qd, [vb, vh, vp], i0, word_column(Q, vb, vh, i0, vp, LQ))
+                        store_words(P.dod, [vb, vh, vp], i0, word_column(DO, vb, vh, i0, vp, LQ))
                 for r, d in T.grid(CH // 2, D):
                     with T.sblock("pack_qq"):
                         vr, vd = T.axis.remap("SS", [r, d])

@@ -39,8 +39,8 @@ from ..kernels.common import F32, LOG2E, NEG_INF, KernelArgs, Shape, fast_exp
 from ..kernels.dropout import Dropout
 from ..kernels.forward import declare_forward_args
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
-from .amx import (BF16, PAIR, amx_dropout_buffers, bf16_pairs, configure_tiles, dropout_tile_16, exp2_16, pair_bits,
-                  release_tiles, tile_gemm)
+from .amx import (BF16, PAIR, amx_dropout_buffers, bf16_pairs, configure_tiles, dropout_tile_16, exp2_16,
+                  release_tiles, store_word_halves, store_words, tile_gemm, word_column)
 
 LN2 = 0.6931471805599453
 NEG_INF16 = tirx.Broadcast(NEG_INF, 16)
@@ -248,11 +248,12 @@ def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int, with_k: bool = Tru
                             vj, vd = T.axis.remap("SS", [j, d])
                             KP[vb, vh, j0 + vj, vd] = T.Select(
                                 j0 + vj < LK, K[vb, vh, T.min(j0 + vj, LK - 1), vd], T.bfloat16(0))
-                for j, d in T.grid(CH, D):
+                for p in T.serial(D // 2):
                     with T.sblock("pack_vT"):
-                        vj, vd = T.axis.remap("SS", [j, d])
-                        VT[vb, vh, vd, j0 + vj] = T.Select(
-                            j0 + vj < LK, V[vb, vh, T.min(j0 + vj, LK - 1), vd], T.bfloat16(0))
+                        vp = T.axis.remap("S", [p])
+                        T.reads(V[vb, vh, 0:LK, vp * 2:vp * 2 + 2])
+                        T.writes(VT[vb, vh, vp * 2:vp * 2 + 2, j0:j0 + CH])
+                        store_word_halves(VT, vb, vh, vp, j0, word_column(V, vb, vh, j0, vp, LK))
 
     return pack.with_attr("global_symbol", "forward_pack" if with_k else "forward_pack_vt")
 
@@ -302,12 +303,12 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                 q0 = T.meta_var(vqb * BQ)
                 kb_lo, kb_hi = T.meta_var(score.kv_blocks(q0, T.min(q0 + BQ, LQ), BK))
                 configure_tiles(cfg)
-                for i, p in T.grid(BQ, D // 2):
+                for p, c in T.grid(D // 2, BQ // 32):
                     with T.sblock("pack_q"):
-                        vi, vp = T.axis.remap("SS", [i, p])
-                        qp[vp, vi] = T.Select(q0 + vi < LQ, pair_bits(Q[vb, vh, T.min(q0 + vi, LQ - 1), vp * 2],
-                                                                       Q[vb, vh, T.min(q0 + vi, LQ - 1), vp * 2 + 1]),
-                                              T.uint32(0))
+                        vp, vc = T.axis.remap("SS", [p, c])
+                        T.reads(Q[vb, vh, 0:LQ, vp * 2:vp * 2 + 2])
+                        T.writes(qp[vp, vc * 32:vc * 32 + 32])
+                        store_words(qp, [vp], vc * 32, word_column(Q, vb, vh, q0 + vc * 32, vp, LQ))
                 for i in T.serial(BQ):
                     with T.sblock("init_ml"):
                         vi = T.axis.remap("S", [i])

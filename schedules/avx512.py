@@ -17,7 +17,7 @@ vector length, the extra AMX-side blocks and the knob defaults differ. Knobs (na
 from __future__ import annotations
 
 from . import host
-from .cpu_rules import swap_and_vectorize, vectorize_inner
+from .cpu_rules import vectorize_inner
 
 VL = 16
 AMX_CPUS = ("sapphirerapids", "emeraldrapids", "graniterapids", "diamondrapids")
@@ -47,12 +47,13 @@ DEFAULTS = {
 
 RULES = {
     **host.RULES,
-    # AMX forward: VNNI packs of Q (once per task); P's (pack_p) is written in vectors
-    "pack_q": swap_and_vectorize,
-    "pack_k": vectorize_inner, "pack_vT": swap_and_vectorize,
-    # AMX backward: operand packs per call (the per-step ones are written in vectors)
-    "pack_kv": vectorize_inner, "pack_kT": swap_and_vectorize, "pack_qd": swap_and_vectorize,
-    "pack_qq": vectorize_inner,
+    # AMX forward: K's padded copy (P's pack, pack_p, is written in vectors; the transposing
+    # packs, Q's VNNI pairs once per task and V^T, gather words in their own vector code:
+    # amx.word_column)
+    "pack_k": vectorize_inner,
+    # AMX backward: operand packs per call (the per-step ones are written in vectors, the
+    # transposing ones as the forward's)
+    "pack_kv": vectorize_inner, "pack_qq": vectorize_inner,
 }
 
 
