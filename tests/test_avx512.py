@@ -47,6 +47,16 @@ def test_asm_bf16_forward_runs_on_amx_tiles():
         assert "expf" not in fwd  # fast exp, no libm calls
 
 
+def test_asm_amx_transposing_packs_gather_words():
+    """The packs that transpose (V^T, K^T, the Q / dO pairs; Q's pairs inside the forward)
+    gather 32-bit words (`vpgatherdd`, amx.word_column), not 16-bit elements one by one."""
+    asm = spr_asm(AttentionSpec("bfloat16", 64, causal="bottom_right"))
+    for name in ("forward_pack", "forward_pack_vt", "backward_pack"):
+        assert "vpgatherdd" in asm[name] and "vpinsrw" not in asm[name], name
+    for name in ("forward", "forward_long"):
+        assert "vpgatherdd" in asm[name], name
+
+
 def test_asm_bf16_backward_runs_on_amx_tiles():
     asm = spr_asm(AttentionSpec("bfloat16", 64, causal="bottom_right"))
     # tile products per 32 x 32 block: fused 5 GEMMs, dK/dV 4, dQ 3 (S^T, dP^T, dQ^T)
