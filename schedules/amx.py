@@ -47,15 +47,17 @@ def word_column(src, b, h, r0, p, rows):
     int32x16 (rows r0..r0+15, r0+16..r0+31; 0 for rows past `rows`), by two `vpgatherdd` (row
     indices clamped in bounds). A TIR load of a column gathers lane by lane (a 16-bit insert
     an element, which cost the AMX forward's V^T pack about a tenth of an L = 1024 call);
-    emits its bindings into the statement being built."""
+    emits its bindings into the statement being built. The gathers' 32-bit byte offsets
+    count from the first row, so they stay within 31 rows whatever the sequence's length."""
+    first = tirx.min(r0, rows - 1)
     lanes = tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), 16)
     row_bytes = tirx.Broadcast(tirx.Cast("int32", src.strides[2] * 2), 16)
-    last = tirx.Broadcast(tirx.Cast("int32", rows - 1), 16)
+    last = tirx.Broadcast(tirx.Cast("int32", rows - 1 - first), 16)
     zero = tirx.Broadcast(tirx.const(0, "int32"), 16)
-    base = tirx.address_of(src[b, h, 0, p * 2])
+    base = tirx.address_of(src[b, h, first, p * 2])
     words = []
     for half in range(2):
-        row = tirx.Broadcast(tirx.Cast("int32", r0 + half * 16), 16) + lanes
+        row = tirx.Broadcast(tirx.Cast("int32", r0 - first + half * 16), 16) + lanes  # from `first`
         gathered = tirx.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.mask.gather.dpi.512", zero, base,
                                               tirx.min(row, last) * row_bytes,
                                               tirx.Broadcast(tirx.const(True, "bool"), 16), tirx.const(1, "int32"))
