@@ -31,7 +31,7 @@ AMX_LONG_KV_BYTES = 1 << 20
 # sequences) takes `forward_long` from a quarter of that: its taller q-blocks load each K / V^T
 # tile a quarter as often, and there is no masked diagonal tile work to grow with them. (Xeon,
 # bf16, same process, forward_long vs forward: non-causal 1.13x at L=1024 D=64, 1.03x at D=128,
-# 1.14x at L=2048 D=64; causal 0.90-0.94x at D=128 up to L=2048.)
+# 1.14x at L=2048 D=64; causal 0.83-0.94x at D=128 up to L=2048.)
 AMX_LONG_DENSE_KV_BYTES = 1 << 18
 AMX_LONG_MIN_QUERIES = 256  # fewer queries (chunked prefill on a long cache) would mostly fill
 # `forward_long`'s q-blocks with padding rows, whose tile work costs as much as real ones

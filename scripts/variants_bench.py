@@ -144,10 +144,9 @@ def main(out_dir: Path, only: list) -> None:
                 for backend, attn in torch_attention(device, kw).items():
                     try:
                         timed_calls(fns, f"{backend} {label}", attn, q, k, v, dout, device)
-                        theirs.append(backend)
                     except RuntimeError:  # a backend that does not take this shape or dropout
                         pass
-        theirs = [b for b in dict.fromkeys(theirs) if f"{b} variant fwd" in fns and f"{b} plain fwd" in fns]
+            theirs = [b for b in torch_attention(device, variant) if f"{b} plain fwd" in fns and f"{b} variant fwd" in fns]
         t = _interleaved_median_ms(fns, rounds=5, iters=_auto_iters(ms), device=device)
         row = {"case": name, "seqlen": seqlen, "ms": t,
                "speedup_fwd": t["plain fwd"] / t["variant fwd"],

@@ -547,7 +547,7 @@ def _attention_problem(kern: dict, spec: AttentionSpec, batch: int, heads: int, 
     ops calls them; the backward uses the o and lse of the last forward."""
     import torch
 
-    from .ops import _amx_packs, _backward_cpu, _backward_cuda, _forward_kernel_name
+    from .ops import _amx_packs, _backward_cpu, _backward_cuda, _forward_kernel_name, _visits_every_kv_block
 
     dt = getattr(torch, spec.dtype)
     q, k, v, do = (torch.randn(batch, heads, seqlen, spec.head_dim, device=device, dtype=dt) for _ in range(4))
@@ -564,9 +564,11 @@ def _attention_problem(kern: dict, spec: AttentionSpec, batch: int, heads: int, 
         from .cpu import request_amx
 
         request_amx()  # before the first AMX kernel of the process
+        every_block = _visits_every_kv_block(spec)  # as ops picks the forward
 
         def forward(name=None):
-            kern[name or _forward_kernel_name(kern, q, k)](q, k, v, o, lse, scale, *args, *_amx_packs(kern, k, v))
+            name = name or _forward_kernel_name(kern, q, k, every_block=every_block)
+            kern[name](q, k, v, o, lse, scale, *args, *_amx_packs(kern, k, v))
 
         def backward():
             _backward_cpu(kern, do, q, k, v, o, lse, None, args, scale, dq, dk, dv)
