@@ -21,18 +21,15 @@ from .cpu_rules import vectorize_inner
 
 VL = 16
 AMX_CPUS = ("sapphirerapids", "emeraldrapids", "graniterapids", "diamondrapids")
-AMX_KV_PAD = 128  # packed K / V^T rows per (batch, kv-head) are a multiple of this
+AMX_KV_PAD = 256  # packed K / V^T rows per (batch, kv-head) are a multiple of this (block_k
+# up to 256: each kv block's P.V loads and stores the O^T tiles once, so longer blocks spend
+# fewer tile loads a score; Xeon, bf16, L = 1024: 256-key blocks 1.05-1.12x faster than 128)
 # A kv-head's K and V^T packs of at least this many bytes do not stay in a core's L2 (2 MB on
 # SPR) next to a task's tiles, so each q-block streams them from L3 again: those calls run
 # `forward_long`, whose q-blocks of `long_block_q` rows read them a quarter as often. (Xeon,
-# bf16 L=4096 D=128: 35 ms with 256-row q-blocks, 43 with 64; at L=1024 64 rows are 8% faster.)
+# bf16, 256-key blocks, same process: L = 2048 D = 128 (1 MiB) 1.07-1.11x faster with 256-row
+# q-blocks, L = 4096 1.09-1.13x; below, 64 rows are as fast or faster: L = 1024 D = 64 1.06x.)
 AMX_LONG_KV_BYTES = 1 << 20
-# Attention that visits every kv block of each q-block (no causal, window, block mask or packed
-# sequences) takes `forward_long` from a quarter of that: its taller q-blocks load each K / V^T
-# tile a quarter as often, and there is no masked diagonal tile work to grow with them. (Xeon,
-# bf16, same process, forward_long vs forward: non-causal 1.13x at L=1024 D=64, 1.03x at D=128,
-# 1.14x at L=2048 D=64; causal 0.83-0.94x at D=128 up to L=2048.)
-AMX_LONG_DENSE_KV_BYTES = 1 << 18
 AMX_LONG_MIN_QUERIES = 256  # fewer queries (chunked prefill on a long cache) would mostly fill
 # `forward_long`'s q-blocks with padding rows, whose tile work costs as much as real ones
 

@@ -188,33 +188,29 @@ def test_amx_forward_for_long_keys():
     long_block_q rows) when there are AMX_LONG_MIN_QUERIES queries: GQA, causal with Lq != Lk,
     a partial last q-block and kv block."""
     from tvmflash import ops
-    from tvmflash.schedules.avx512 import AMX_LONG_KV_BYTES, AMX_LONG_MIN_QUERIES
+    from tvmflash.schedules.avx512 import AMX_KV_PAD, AMX_LONG_KV_BYTES, AMX_LONG_MIN_QUERIES
 
     q, k, v, dout = make(1, 4, 2, 300, 2100, 128, torch.bfloat16)
     kernels = ops._kernels(AttentionSpec("bfloat16", 128, causal="bottom_right"), torch.device("cpu"))
-    assert 2 * 2176 * 128 * 2 >= AMX_LONG_KV_BYTES and q.shape[2] >= AMX_LONG_MIN_QUERIES
+    assert 2 * ops._amx_padded(2100, AMX_KV_PAD) * 128 * 2 >= AMX_LONG_KV_BYTES and q.shape[2] >= AMX_LONG_MIN_QUERIES
     assert ops._forward_kernel_name(kernels, q, k) == "forward_long"
     assert ops._forward_kernel_name(kernels, q, k[:, :, :1000]) == "forward"  # short keys
     assert ops._forward_kernel_name(kernels, q[:, :, :40], k) == "forward"  # few queries
     check_against_reference(q, k, v, dout, flash_run(True), causal="bottom_right")
 
 
-def test_dense_attention_takes_tall_q_blocks_from_shorter_keys():
-    """Attention whose q-blocks visit every kv block runs `forward_long` from packs of
-    AMX_LONG_DENSE_KV_BYTES (L=1024 at D=64); causal, windowed and packed-sequence attention
-    from AMX_LONG_KV_BYTES (no module is built: the choice is the dispatch's)."""
+def test_long_keys_take_tall_q_blocks():
+    """`forward_long` runs where a kv-head's K and V^T packs reach AMX_LONG_KV_BYTES (L = 2048
+    at D = 128, 4096 at D = 64) and there are AMX_LONG_MIN_QUERIES queries (no module is built:
+    the choice is the dispatch's)."""
     from tvmflash import ops
 
     kernels = {"forward": None, "forward_long": None}
-    q = k = torch.empty(1, 1, 1024, 64, dtype=torch.bfloat16)
-    assert ops._visits_every_kv_block(AttentionSpec("bfloat16", 64, mask="bool", variants=("softcap", "alibi")))
-    for skipping in (AttentionSpec("bfloat16", 64, causal="bottom_right"), AttentionSpec("bfloat16", 64, variants=("window",)),
-                     AttentionSpec("bfloat16", 64, variants=("varlen",))):
-        assert not ops._visits_every_kv_block(skipping)
-    assert ops._forward_kernel_name(kernels, q, k, every_block=True) == "forward_long"
-    assert ops._forward_kernel_name(kernels, q, k) == "forward"
-    assert ops._forward_kernel_name(kernels, q, k[:, :, :512], every_block=True) == "forward"
-    assert ops._forward_kernel_name(kernels, q[:, :, :255], k, every_block=True) == "forward"
+    q = k = torch.empty(1, 1, 2048, 128, dtype=torch.bfloat16)
+    assert ops._forward_kernel_name(kernels, q, k) == "forward_long"
+    assert ops._forward_kernel_name(kernels, q, k[:, :, :1024]) == "forward"
+    assert ops._forward_kernel_name(kernels, q, k[..., :64]) == "forward"  # D = 64: 512 KiB
+    assert ops._forward_kernel_name(kernels, q[:, :, :255], k) == "forward"
 
 
 @needs_amx
@@ -226,7 +222,7 @@ def test_amx_forward_reads_whole_keys_in_place():
     from tvmflash.schedules.avx512 import AMX_KV_PAD
 
     kernels = ops._kernels(AttentionSpec("bfloat16", 128, causal="bottom_right"), torch.device("cpu"))
-    for lq, lk in ((77, 2 * AMX_KV_PAD), (300, 17 * AMX_KV_PAD)):
+    for lq, lk in ((77, 2 * AMX_KV_PAD), (300, 9 * AMX_KV_PAD)):
         q, k, v, dout = (x.transpose(1, 2).contiguous().transpose(1, 2)
                          for x in make(2, 4, 2, lq, lk, 128, torch.bfloat16))
         assert ops._amx_packs(kernels, k, v)[0] is k

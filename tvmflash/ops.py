@@ -216,32 +216,25 @@ def _forward(q, k, v, mask, scale, causal, window=(-1, -1), softcap=0.0, alibi_s
         _forward_split(kern, q, k, v, out, lse, scale, mod_args)
         return out, lse
     with _on_stream(q.device):
-        name = _forward_kernel_name(kern, q, k, window, causal != "none", _visits_every_kv_block(spec))
+        name = _forward_kernel_name(kern, q, k, window, causal != "none")
         kern[name](q, k, v, out, lse, scale, *mod_args, *_amx_packs(kern, k, v))
     return out, lse
 
 
-def _visits_every_kv_block(spec: AttentionSpec) -> bool:
-    """Whether each q-block of `spec` sees every kv block (nothing skips blocks: no causal,
-    window, flex mask or packed sequences)."""
-    return (spec.causal == "none" and not {"window", "varlen"} & set(spec.variants)
-            and all(role != "mask" for role, *_ in spec.flex))
-
-
 def _forward_kernel_name(kern: dict, q: torch.Tensor, k: torch.Tensor, window: tuple = (-1, -1),
-                         causal: bool = False, every_block: bool = False) -> str:
+                         causal: bool = False) -> str:
     """CUDA: "forward_short" for short sliding windows where the module has it
     (schedules/cuda_kernels.py). CPU: "forward_long" (AMX: taller q-blocks) where a kv-head's
-    packed K and V^T outgrow a core's L2 (a quarter of that where each q-block visits
-    `every_block`) and there are queries enough to fill its q-blocks. Else "forward"."""
+    packed K and V^T outgrow a core's L2 and there are queries enough to fill its q-blocks.
+    Else "forward"."""
     if "forward_short" in kern:
         return _cuda_forward_name(window, causal)
     if "forward_long" not in kern:
         return "forward"
-    from .schedules.avx512 import AMX_KV_PAD, AMX_LONG_DENSE_KV_BYTES, AMX_LONG_KV_BYTES, AMX_LONG_MIN_QUERIES
+    from .schedules.avx512 import AMX_KV_PAD, AMX_LONG_KV_BYTES, AMX_LONG_MIN_QUERIES
 
     pack_bytes = 2 * _amx_padded(k.shape[2], AMX_KV_PAD) * k.shape[3] * k.element_size()
-    long_keys = pack_bytes >= (AMX_LONG_DENSE_KV_BYTES if every_block else AMX_LONG_KV_BYTES)
+    long_keys = pack_bytes >= AMX_LONG_KV_BYTES
     return "forward_long" if long_keys and q.shape[2] >= AMX_LONG_MIN_QUERIES else "forward"
 
 

@@ -49,7 +49,8 @@ TUNED_SPECS = {
 DECODE_CTAS_PER_SM = ((2, 3, 4, 6, 8), (1, 2, 3))  # one-warp CTAs, CTAs of several warps
 DECODE_SEQLENS = (8192, 32768)  # B=16, H=32, Hk=8, one query, in shuffled pages of:
 DECODE_PAGES = {"decode": 16, "decode_long": 256}
-CPU_BLOCKS = [(64, 64), (64, 128), (128, 64), (128, 128), (32, 64), (64, 32), (32, 128), (256, 128)]  # (block_q, block_k)
+CPU_BLOCKS = [(64, 64), (64, 128), (128, 64), (128, 128), (32, 64), (64, 32), (32, 128), (256, 128), (32, 256), (64, 256),
+              (128, 256)]  # (block_q, block_k)
 CPU_REGISTER_TILES = [(8, 2), (4, 4), (4, 2)]  # (rows, zmm vectors per row) of the FMA matmuls
 AMX_LONG_BLOCK_Q = (128, 256)  # the AMX forward's q-blocks for long keys (timed at SEQLENS[1])
 CPU_PHASE_KERNELS = {"forward": ("forward", "forward_long", "forward_pack", "forward_pack_vt"),
@@ -547,7 +548,7 @@ def _attention_problem(kern: dict, spec: AttentionSpec, batch: int, heads: int, 
     ops calls them; the backward uses the o and lse of the last forward."""
     import torch
 
-    from .ops import _amx_packs, _backward_cpu, _backward_cuda, _forward_kernel_name, _visits_every_kv_block
+    from .ops import _amx_packs, _backward_cpu, _backward_cuda, _forward_kernel_name
 
     dt = getattr(torch, spec.dtype)
     q, k, v, do = (torch.randn(batch, heads, seqlen, spec.head_dim, device=device, dtype=dt) for _ in range(4))
@@ -564,10 +565,8 @@ def _attention_problem(kern: dict, spec: AttentionSpec, batch: int, heads: int, 
         from .cpu import request_amx
 
         request_amx()  # before the first AMX kernel of the process
-        every_block = _visits_every_kv_block(spec)  # as ops picks the forward
-
         def forward(name=None):
-            name = name or _forward_kernel_name(kern, q, k, every_block=every_block)
+            name = name or _forward_kernel_name(kern, q, k)  # as ops picks it
             kern[name](q, k, v, o, lse, scale, *args, *_amx_packs(kern, k, v))
 
         def backward():
