@@ -74,7 +74,13 @@ def test_cpu_specs_without_a_record_take_the_plain_specs():
 
     plain = tuned_knobs("avx512", AttentionSpec("bfloat16", 64))
     assert plain  # tuning_logs/avx512/ holds the benchmark specs
-    assert tuned_knobs("avx512", AttentionSpec("bfloat16", 64, causal="bottom_right", mask="bool")) == plain
+    assert tuned_knobs("avx512", AttentionSpec("bfloat16", 64, mask="bool", variants=("softcap",))) == plain
+    # causal specs: the causal record's forward knobs over the plain spec's (its backward knobs)
+    causal = tuned_knobs("avx512", AttentionSpec("bfloat16", 64, causal="bottom_right"))
+    assert causal != plain and causal["bwd_block_k"] == plain["bwd_block_k"]
+    assert tuned_knobs("avx512", AttentionSpec("bfloat16", 64, causal="top_left", mask="bool")) == causal
+    assert tuned_knobs("avx512", AttentionSpec("float32", 64, causal="top_left")) == tuned_knobs(
+        "avx512", AttentionSpec("float32", 64))  # no causal record: the plain spec's
     assert tuned_knobs("avx512", AttentionSpec("bfloat16", 80)) == {}  # other head dims: defaults
     assert tuned_knobs("cuda", AttentionSpec("bfloat16", 64, mask="bool")) == {}  # CUDA: exact records only
 

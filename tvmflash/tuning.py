@@ -164,15 +164,23 @@ def _shipped(target_kind: str) -> Database:
 
 
 def tuned_knobs(target_kind: str, spec: AttentionSpec) -> dict:
-    """The recorded knobs of `spec` (its best record per phase); on CPUs a spec without one
-    (causal, masked) takes the record of the plain spec with its dtype and head dim (same
-    kernels, same tile shapes), and so do kv_cache specs on CUDA (their decode tiles depend on
-    neither causal nor the variants)."""
+    """The recorded knobs of `spec` (its best record per phase). On CPUs a spec also takes, for
+    the knobs its records lack, those of the plain spec with its dtype and head dim (masked
+    ones, those with variants: same kernels, same tile shapes) and, before those, a causal one
+    those of the bottom-right causal spec's records (causal calls skip and mask other blocks
+    than dense ones and favour shorter kv blocks; its forward is tuned apart). kv_cache specs on
+    CUDA take the plain kv_cache spec's (their decode tiles depend on neither causal nor the
+    variants); other CUDA specs only their own."""
     db = _shipped(target_kind)
-    knobs = db.knobs(spec.name)
-    if knobs is None and (target_kind != "cuda" or spec.kv_cache):
-        knobs = db.knobs(AttentionSpec(spec.dtype, spec.head_dim, kv_cache=spec.kv_cache).name)
-    return dict(knobs or {})
+    if target_kind == "cuda" and not spec.kv_cache:
+        return dict(db.knobs(spec.name) or {})
+    chain = [AttentionSpec(spec.dtype, spec.head_dim, kv_cache=spec.kv_cache)]
+    if spec.causal != "none" and target_kind != "cuda":
+        chain.append(AttentionSpec(spec.dtype, spec.head_dim, causal="bottom_right", kv_cache=spec.kv_cache))
+    knobs: dict = {}
+    for name in dict.fromkeys([*(s.name for s in chain), spec.name]):  # the most specific last
+        knobs.update(db.knobs(name) or {})
+    return knobs
 
 
 def tuned_spec_names(target_kind: str) -> list[str]:
