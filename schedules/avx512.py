@@ -23,7 +23,8 @@ VL = 16
 AMX_CPUS = ("sapphirerapids", "emeraldrapids", "graniterapids", "diamondrapids")
 AMX_KV_PAD = 256  # packed K / V^T rows per (batch, kv-head) are a multiple of this (block_k
 # up to 256: each kv block's P.V loads and stores the O^T tiles once, so longer blocks spend
-# fewer tile loads a score; Xeon, bf16, L = 1024: 256-key blocks 1.05-1.12x faster than 128)
+# fewer tile loads a score; Xeon, bf16 D = 128, L = 1024: 256-key blocks 1.05-1.12x faster than
+# 128; D = 64 keeps 128, within 3%)
 # A kv-head's K and V^T packs of at least this many bytes do not stay in a core's L2 (2 MB on
 # SPR) next to a task's tiles, so each q-block streams them from L3 again: those calls run
 # `forward_long`, whose q-blocks of `long_block_q` rows read them a quarter as often. (Xeon,

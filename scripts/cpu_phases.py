@@ -45,8 +45,7 @@ def phases(dtype: str, d: int, L: int) -> dict:
     kern["forward"](q, k, v, o, lse, scale, *packs_f)  # the backward's lse
     dq_acc = (ops._scratch("dq_acc", (1, 16, d, packs_b[3].shape[3]), torch.float32, tile_rows=True) if packs_b
               else torch.empty(q.shape, dtype=torch.float32))
-    name = ops._forward_kernel_name(kern, q, k)  # as ops picks
-    calls = {"forward": lambda: kern[name](q, k, v, o, lse, scale, *packs_f)}
+    calls = {"forward": lambda: kern[ops._forward_kernel_name(kern, q, k)](q, k, v, o, lse, scale, *packs_f)}
     if packs_f:
         calls["forward_pack"] = lambda: ops._amx_packs(kern, k, v)
     if L <= 4096:

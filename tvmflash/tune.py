@@ -565,9 +565,9 @@ def _attention_problem(kern: dict, spec: AttentionSpec, batch: int, heads: int, 
         from .cpu import request_amx
 
         request_amx()  # before the first AMX kernel of the process
+
         def forward(name=None):
-            name = name or _forward_kernel_name(kern, q, k)  # as ops picks it
-            kern[name](q, k, v, o, lse, scale, *args, *_amx_packs(kern, k, v))
+            kern[name or _forward_kernel_name(kern, q, k)](q, k, v, o, lse, scale, *args, *_amx_packs(kern, k, v))
 
         def backward():
             _backward_cpu(kern, do, q, k, v, o, lse, None, args, scale, dq, dk, dv)

@@ -164,13 +164,12 @@ def _shipped(target_kind: str) -> Database:
 
 
 def tuned_knobs(target_kind: str, spec: AttentionSpec) -> dict:
-    """The recorded knobs of `spec` (its best record per phase). On CPUs a spec also takes, for
-    the knobs its records lack, those of the plain spec with its dtype and head dim (masked
-    ones, those with variants: same kernels, same tile shapes) and, before those, a causal one
-    those of the bottom-right causal spec's records (causal calls skip and mask other blocks
-    than dense ones and favour shorter kv blocks; its forward is tuned apart). kv_cache specs on
-    CUDA take the plain kv_cache spec's (their decode tiles depend on neither causal nor the
-    variants); other CUDA specs only their own."""
+    """The recorded knobs of `spec` (its best record per phase), layered: on CPUs the plain
+    spec's of its dtype and head dim (masks and variants keep the same kernels and tiles), over
+    them the bottom-right causal spec's if `spec` is causal (causal calls skip and mask other
+    blocks and favour shorter kv blocks, so their forward is tuned apart), over them its own.
+    kv_cache specs on CUDA layer the plain kv_cache spec's under their own (their decode tiles
+    depend on neither causal nor the variants); other CUDA specs take only their own."""
     db = _shipped(target_kind)
     if target_kind == "cuda" and not spec.kv_cache:
         return dict(db.knobs(spec.name) or {})
