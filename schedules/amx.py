@@ -65,6 +65,27 @@ def word_column(src, b, h, r0, p, rows):
     return words
 
 
+def column_16(src, rows_at: list, row_bytes):
+    """The 16 fp32 src[rows_at + (r, ...)] of rows r < 16 of one column (rows `row_bytes` apart,
+    row_bytes a 32-bit value) as one fp32x16, by one `vgatherdps`: TIR loads a column lane by
+    lane (an insert an element)."""
+    lanes = tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), 16)
+    return tirx.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.mask.gather.dps.512",
+                                      tirx.Broadcast(tirx.const(0.0, F32), 16), tirx.address_of(src[tuple(rows_at)]),
+                                      lanes * tirx.Broadcast(tirx.const(row_bytes, "int32"), 16),
+                                      tirx.Broadcast(tirx.const(True, "bool"), 16), tirx.const(1, "int32"))
+
+
+def store_bf16_row(dst, index: list, lo, hi) -> None:
+    """dst[*index, c0 : c0 + 32] = bf16 of 32 fp32 (two fp32x16, lo first), index's last entry
+    c0; rounded to nearest even by one `vcvtne2ps2bf16` (a bf16 cast would become integer
+    arithmetic)."""
+    *prefix, c0 = index
+    c0 = tirx.Cast("int64", c0)  # in the buffer's index type: a mixed int32 Ramp crashes TVM's passes
+    irb.buffer_store(dst, tirx.reinterpret("bfloat16x32", _to_bf16(lo, hi)),
+                     [*prefix, tirx.Ramp(c0, tirx.const(1, "int64"), 32)])
+
+
 def store_words(dst, prefix: list, r0, words) -> None:
     """dst[*prefix, r0 : r0 + 32] = `word_column`'s 32 words (as VNNI pairs)."""
     for half, w in enumerate(words):
@@ -89,24 +110,27 @@ def bf16_pairs(even, odd):
     return tirx.reinterpret("uint32x16", tirx.Shuffle([_to_bf16(even, odd)], _INTERLEAVE))
 
 
-# 2^f on [-1/2, 1/2], degree 4, near-minimax: relative error 2.6e-6, far below bf16's 3.9e-3
-EXP2_POLY = (0.9999992847442627, 0.6931217908859253, 0.240247443318367, 0.05591786652803421, 0.009570096619427204)
+# 2^f on [0, 1), degree 4, near-minimax: relative error 2.6e-6, far below bf16's 3.9e-3
+EXP2_POLY = (1.0000026226043701, 0.69300377368927, 0.24144287407398224, 0.05201142653822899, 0.013534124940633774)
+REDUCE_FLOOR = 9  # vreduceps imm8: keep 0 fraction bits, round down (01), no precision exception
 
 
 def exp2_16(x):
-    """2^x of 16 fp32 lanes for bf16 probabilities: n = round(x), a degree-4 polynomial in
-    x - n and `vscalefps` for the 2^n factor (one instruction where the generic fast_exp builds
-    exponent bits in four); exp(s) is exp2_16(s * log2(e)) with the factor folded into the
-    caller's scale. Lanes with x <= -125 (masked scores are -inf) are zeroed by the scalef's own
-    mask: exactly 0 (a fully masked row must keep l = 0), and never a denormal, whose microcode
-    assist per vector made masked tiles several times slower than others. NaN stays NaN."""
+    """2^x of 16 fp32 lanes for bf16 probabilities: f = x - floor(x) in one `vreduceps`, a
+    degree-4 polynomial in f and `vscalefps`, which scales by 2^floor(x) from x itself (one
+    instruction each where round, subtract and the generic fast_exp's exponent bits take six);
+    exp(s) is exp2_16(s * log2(e)) with the factor folded into the caller's scale. Lanes with
+    x <= -125 (masked scores are -inf) are zeroed by the scalef's own mask: exactly 0 (a fully
+    masked row must keep l = 0), and never a denormal, whose microcode assist per vector made
+    masked tiles several times slower than others. NaN stays NaN."""
     v16 = lambda c: tirx.Broadcast(tirx.const(c, F32), 16)  # noqa: E731
-    n = tirx.nearbyint(x)
-    f = x - n
+    f = tirx.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.mask.reduce.ps.512", x,
+                                   tirx.const(REDUCE_FLOOR, "int32"), x, tirx.const(-1, "int16"),
+                                   tirx.const(4, "int32"))
     p = v16(EXP2_POLY[-1])
     for c in reversed(EXP2_POLY[:-1]):
         p = p * f + v16(c)
-    scaled = tirx.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.mask.scalef.ps.512", p, n, p,
+    scaled = tirx.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.mask.scalef.ps.512", p, x, p,
                                         tirx.const(-1, "int16"), tirx.const(4, "int32"))
     return tirx.Select(x <= v16(-125.0), v16(0.0), scaled)  # LLVM folds it into the scalef's zero-mask
 

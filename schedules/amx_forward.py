@@ -39,8 +39,8 @@ from ..kernels.common import F32, LOG2E, NEG_INF, KernelArgs, Shape, fast_exp
 from ..kernels.dropout import Dropout
 from ..kernels.forward import declare_forward_args
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
-from .amx import (BF16, PAIR, amx_dropout_buffers, bf16_pairs, configure_tiles, dropout_tile_16, exp2_16,
-                  release_tiles, store_word_halves, store_words, tile_gemm, word_column)
+from .amx import (BF16, PAIR, amx_dropout_buffers, bf16_pairs, column_16, configure_tiles, dropout_tile_16, exp2_16,
+                  release_tiles, store_bf16_row, store_word_halves, store_words, tile_gemm, word_column)
 
 LN2 = 0.6931471805599453
 NEG_INF16 = tirx.Broadcast(NEG_INF, 16)
@@ -211,6 +211,14 @@ def diagonal_walk(step, kb_lo, kb_hi, q0, seqlen_q, seqlen_k, block_q: int, bloc
     return tirx.Select(t <= first - kb_lo, first - t, kb_lo + t)
 
 
+def store_output_row(o, row_at: list, accT, i, d0, inv_l, acc_row_bytes: int) -> None:
+    """o[*row_at, d0 : d0 + 32] = accT[d0 : d0 + 32, i] * inv_l (= 1 / l_i): a row of the
+    output from a column of O^T, two gathers of 16 a store."""
+    scale = tirx.Broadcast(inv_l, 16)
+    lo, hi = (column_16(accT, [d0 + half * 16, i], acc_row_bytes) * scale for half in range(2))
+    store_bf16_row(o, [*row_at, d0], lo, hi)
+
+
 def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int, with_k: bool = True) -> tirx.PrimFunc:
     """kp[b, h, j, d] = K (0 past Lk), vt[b, h, d, j] = V^T (0 past Lk), j < padded length:
     `forward_pack` (k, v, kp, vt). Without `with_k`, V^T only: `forward_pack_vt` (v, vt), for
@@ -295,6 +303,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                 qp = T.sblock_alloc_buffer((D // 2, ROW), PAIR)
                 m = T.sblock_alloc_buffer((BQ,), F32)  # running max, log2 units
                 l = T.sblock_alloc_buffer((BQ,), F32)
+                inv = T.sblock_alloc_buffer((BQ,), F32)  # 1 / l (0 for fully masked rows)
                 accT = T.sblock_alloc_buffer((D, ROW), F32)
                 sT = T.sblock_alloc_buffer((BK, ROW), F32)  # a kv block's S^T (modified in place)
                 pp = T.sblock_alloc_buffer((BK // 2, ROW), PAIR)
@@ -409,11 +418,12 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                     m[vi] = T.max(m[vi], tmax[vi])
                                     l[vi] = l[vi] * alpha[vi]
                                     ls[vi] = T.float32(0)
-                            for d in T.serial(D):
-                                for i in T.vectorized(BQ):  # in place: vectorised here, not by a rule
-                                    with T.sblock("rescale"):
-                                        vd, vi = T.axis.remap("SS", [d, i])
-                                        accT[vd, vi] = accT[vd, vi] * alpha[vi]
+                            if vkb > kb_lo:  # (O^T is still 0 at the first block)
+                                for d in T.serial(D):
+                                    for i in T.vectorized(BQ):  # in place: vectorised here, not by a rule
+                                        with T.sblock("rescale"):
+                                            vd, vi = T.axis.remap("SS", [d, i])
+                                            accT[vd, vi] = accT[vd, vi] * alpha[vi]
                             for p in T.serial(PAIRS):
                                 softmax_pair("softmax_redo", sT, src_scale, m, pp, ls, p, k0, LK, BQ, terms, zT, dropout)
                         for i in T.serial(BQ):
@@ -433,11 +443,16 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         T.where(q0 + i < LQ)
                         LSE[vb, vh, q0 + vi] = T.Select(l[vi] == T.float32(0), NEG_INF,
                                                         (m[vi] + T.log2(l[vi])) * T.float32(LN2))
-                for i, d in T.grid(BQ, D):
-                    with T.sblock("store_o"):
-                        vi, vd = T.axis.remap("SS", [i, d])
+                for i in T.serial(BQ):
+                    with T.sblock("row_inverse"):  # one division a row, not one an output
+                        vi = T.axis.remap("S", [i])
+                        inv[vi] = T.Select(l[vi] == T.float32(0), T.float32(0), T.float32(1) / l[vi])
+                for i, c in T.grid(BQ, D // 32):  # O rows from accT's columns: 32 dims a store
+                    with T.sblock("store_o_rows"):
+                        vi, vc = T.axis.remap("SS", [i, c])
                         T.where(q0 + i < LQ)
-                        O[vb, vh, q0 + vi, vd] = T.Cast(
-                            BF16, T.Select(l[vi] == T.float32(0), T.float32(0), accT[vd, vi] / l[vi]))
+                        T.reads(accT[vc * 32:vc * 32 + 32, vi], inv[vi])
+                        T.writes(O[vb, vh, q0 + vi, vc * 32:vc * 32 + 32])
+                        store_output_row(O, [vb, vh, q0 + vi], accT, vi, vc * 32, inv[vi], ROW * 4)
 
     return fwd.with_attr("global_symbol", name)
