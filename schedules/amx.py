@@ -178,20 +178,23 @@ def release_tiles():
 
 
 @T.inline
-def tile_gemm(c_at, c_ld, a_at, a_ld, b_at, b_ld, m, n, k, accumulate):
+def tile_gemm(c_at, c_ld, a_at, a_ld, b_at, b_ld, m, n, k, accumulate, rewalk=None):
     """C (m x n fp32) = [C +] A (m x k bf16) . B (k/2 x n pairs), in 32 x 32 blocks.
 
     x_at(row, col) is the address of element (row, col) of operand x in its own units (C: fp32,
     A: bf16, B: pairs, so B's rows are k/2); x_ld its row stride in bytes. `accumulate` loads C
     first, else starts from zero.
 
-    The C blocks are visited so that the smaller operand is the one walked again for every
-    block of the outer loop (the other stays in L1 for the inner one): A (m x k) when m < n,
-    else B (k x n). With 256 queries a block, Q^T and P^T (64 KB) would otherwise be re-read
-    from L2 for each 32 keys or head dims."""
-    for outer, inner in T.grid((n if m < n else m) // BLOCK, (m if m < n else n) // BLOCK):
-        mb = T.meta_var(inner if m < n else outer)
-        nb = T.meta_var(outer if m < n else inner)
+    The C blocks are visited so that one operand is walked again for every block of the outer
+    loop while the other's block stays in L1 for the inner one: `rewalk` "a" or "b" names it;
+    by default the smaller one, A (m x k) when m < n, else B (k x n), which then stays in L1
+    itself (with 256 queries a block, Q^T and P^T, 64 KB, would otherwise be re-read from L2
+    for each 32 keys or head dims). An operand too big for L1 is better walked again when it
+    is the larger one: the smaller is then read from L2 once."""
+    a_again = (m < n) if rewalk is None else rewalk == "a"
+    for outer, inner in T.grid((n if a_again else m) // BLOCK, (m if a_again else n) // BLOCK):
+        mb = T.meta_var(inner if a_again else outer)
+        nb = T.meta_var(outer if a_again else inner)
         for c in T.unroll(4):
             if accumulate:
                 T.evaluate(amx("tileloadd64", tmm(c), c_at(mb * BLOCK + c // 2 * TILE, nb * BLOCK + c % 2 * TILE),
