@@ -183,6 +183,28 @@ def softmax_pair(name, sT, src_scale, m, pp, ls, p, k0, seqlen_k, block_q, terms
             ls[cols] = ls[cols] + e0 + e1
 
 
+def chunked_softmax(score: ScorePipeline, has_mods: bool, dropout: bool, later, whole):
+    """Whether a kv block takes P chunk by chunk, each 32 keys of S^T as the GEMM leaves them
+    (in L1): a block after the first (whose max sets m) whose scores need no pass of their own,
+    i.e. no value modifiers or dropout, and no mask on the tile (all of a plain spec's: its
+    padded keys are 0 in `probabilities`). Xeon, 16 threads, same process: bf16 L = 1024 /
+    4096 forward 1.02-1.06x faster (D = 128 L = 1024 within 1.5%)."""
+    if dropout or score.changes_values:
+        return tirx.const(False, "bool")
+    return tirx.all(later, whole) if has_mods else later
+
+
+@T.inline
+def qk_rows(name, sT, kp, qp, b, hk, k0, j0, rows, head_dim, block_q, kp_row, row_bytes):
+    """S^T rows [j0, j0 + rows) of a kv block from k0: K rows . Q^T pairs."""
+    with T.sblock(name):
+        T.reads(kp[b, hk, k0 + j0:k0 + j0 + rows, 0:head_dim], qp[0:head_dim // 2, 0:block_q])
+        T.writes(sT[j0:j0 + rows, 0:block_q])
+        tile_gemm(lambda r, c: T.address_of(sT[j0 + r, c]), row_bytes,
+                  lambda r, c: T.address_of(kp[b, hk, k0 + j0 + r, c]), kp_row,
+                  lambda r, c: T.address_of(qp[r, c]), row_bytes, rows, block_q, head_dim, False)
+
+
 @T.inline
 def block_max(sT, src_scale, tmax, k0, seqlen_k, block_k, block_q, terms=None):
     """tmax = each query's max of s * src_scale (+ a split bias's `terms`) over the real keys
@@ -353,13 +375,21 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         # (vkb stays the step's index: `vkb == kb_lo` below means the first step
                         # visited, whichever block the walk gives it)
                         k0 = T.meta_var(walk[0] * BK if score.splits_bias else vkb * BK)
-                        with T.sblock("qk_amx"):  # S^T = K rows . Q^T
-                            T.reads(KP[vb, vhk, k0:k0 + BK, 0:D], qp[0:D // 2, 0:BQ], cfg[0:64])
-                            T.writes(sT[0:BK, 0:BQ])
-                            tile_gemm(lambda r, c: T.address_of(sT[r, c]), ROW * 4,
-                                      lambda r, c: T.address_of(KP[vb, vhk, k0 + r, c]), kp_row,
-                                      lambda r, c: T.address_of(qp[r, c]), ROW * 4, BK, BQ, D, False)
+                        for i in T.serial(BQ):
+                            with T.sblock("init_stats"):
+                                vi = T.axis.remap("S", [i])
+                                tmax[vi] = NEG_INF
+                                ls[vi] = T.float32(0)
                         whole = T.meta_var(score.tile_unmasked(q0, q0 + BQ, k0, k0 + BK))
+                        chunked = T.meta_var(chunked_softmax(score, has_mods, dropout, vkb > kb_lo, whole))
+                        if chunked:  # S^T 32 keys at a time, each chunk's P taken while it is in L1
+                            for c in T.serial(BK // 32):
+                                qk_rows("qk_chunk", sT, KP, qp, vb, vhk, k0, c * 32, 32, D, BQ, kp_row, ROW * 4)
+                                for p in T.serial(16):
+                                    softmax_pair("softmax_chunk", sT, scale * T.float32(LOG2E), m, pp, ls, c * 16 + p,
+                                                 k0, LK, BQ, None, zT, False)
+                        else:
+                            qk_rows("qk_amx", sT, KP, qp, vb, vhk, k0, 0, BK, D, BQ, kp_row, ROW * 4)  # S^T = K . Q^T
                         split, side = T.meta_var(split_tile(score, whole, q0, q0 + BQ, k0, k0 + BK))
                         terms = T.meta_var(value_terms(score, scale, whole, keyterm, rowterm))
                         if score.splits_bias:
@@ -388,12 +418,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         # already (a whole tile of a mask-only spec is left raw)
                         rewritten = T.meta_var(rewritten_tile(score, has_mods, whole, split, terms))
                         src_scale = T.meta_var(T.Select(rewritten, T.float32(LOG2E), scale * T.float32(LOG2E)))
-                        for i in T.serial(BQ):
-                            with T.sblock("init_stats"):
-                                vi = T.axis.remap("S", [i])
-                                tmax[vi] = NEG_INF
-                                ls[vi] = T.float32(0)
-                        if vkb > kb_lo:  # P with the running max m (the first block sets m)
+                        if vkb > kb_lo and not chunked:  # P with the running max m (the first block sets m)
                             for p in T.serial(PAIRS):
                                 softmax_pair("softmax_pack", sT, src_scale, m, pp, ls, p, k0, LK, BQ, terms, zT, dropout)
                         # m must move if an exponent passed GROW; then some row sum passed 2^GROW
