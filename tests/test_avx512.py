@@ -46,6 +46,11 @@ def test_asm_bf16_forward_runs_on_amx_tiles():
         assert fwd.count("tdpbf16ps") >= 8 and fwd.count("tileloadd") >= 8 and "tilestored" in fwd
         assert "zmm" in fwd and "vfmadd" in fwd  # softmax (fast exp) on AVX512
         assert "expf" not in fwd  # fast exp, no libm calls
+        # exp2: x - floor(x) by vreduceps, 2^floor(x) by vscalefps (amx.exp2_16)
+        assert "vreduceps" in fwd and "vscalefps" in fwd
+        # O's rows gather O^T's columns and take 1 / l: a division a row (up to 256 rows a
+        # q-block, 16 a vector), not one an output (64 dims x 64 or 256 rows)
+        assert "vgatherdps" in fwd and fwd.count("vdivps") <= 16
 
 
 def test_asm_amx_transposing_packs_gather_words():
