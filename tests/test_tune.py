@@ -124,6 +124,38 @@ def _record(db, spec, phase, knobs, secs, kind="cuda"):
     return db.add(workload, trace, None if secs is None else [secs], tune.target_of(kind))
 
 
+def test_merge_measures_the_old_record_by_this_runs_time_of_its_knobs(tmp_path):
+    """A record timed in another session (other kernels, another host load) is beaten by a run
+    whose best is faster than the run's own time of the record's knobs, though slower than the
+    time stored with the record; without that re-timing the stored time decides."""
+    from tvmflash.tuning import Database
+
+    spec = AttentionSpec("bfloat16", 64)
+    shipped = Database(tmp_path / "shipped")
+    _record(shipped, spec, "forward", {"block_q": 64}, 1e-3)
+    run = Database(tmp_path / "run")
+    _record(run, spec, "forward", {"block_q": 64}, 2e-3)  # the record's knobs, re-timed
+    _record(run, spec, "forward", {"block_q": 32}, 1.5e-3)
+    assert run.merge_into(tmp_path / "shipped") == []  # 1.5 ms loses to the stored 1 ms
+    changed = run.merge_into(tmp_path / "shipped", {(spec.name, "forward"): 2e-3})
+    assert [(r.knobs, old.knobs) for r, old in changed] == [({"block_q": 32}, {"block_q": 64})]
+    assert Database(tmp_path / "shipped").knobs(spec.name) == {"block_q": 32}
+
+
+def test_plan_starts_from_the_knobs_a_build_takes():
+    """The baseline is the candidate a build takes now, a record's knobs over the schedule's
+    defaults (the shipped bf16 D = 64 AMX record sets no long_block_q: the default fills it)."""
+    from tvmflash.build import AVX512_TARGET, default_knobs
+    from tvmflash.tuning import tuned_knobs
+
+    spec = AttentionSpec("bfloat16", 64)
+    (workload,) = tune.plan("avx512", [spec], ("forward",))
+    current = {**default_knobs(spec, AVX512_TARGET), **tuned_knobs("avx512", spec)}
+    assert workload[0].baseline and not any(c.baseline for c in workload[1:])
+    assert workload[0].knobs == {k: current[k] for k in workload[0].knobs}
+    assert "long_block_q" in workload[0].knobs
+
+
 def test_database_is_metaschedules_and_keeps_the_fastest_per_workload(tmp_path):
     import tvm
     from tvm.s_tir import meta_schedule as ms

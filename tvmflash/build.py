@@ -201,13 +201,24 @@ def build_module(spec: AttentionSpec, target: dict, knobs: dict | None = None, o
     return _build_cpu(spec, target, knobs, only)
 
 
+def default_knobs(spec: AttentionSpec, target: dict) -> dict:
+    """The knobs `spec`'s schedule for `target` takes where no record sets them."""
+    if target["kind"] == "cuda":
+        from .schedules import cuda_kernels
+
+        return cuda_kernels.default_knobs(spec)
+    from .schedules import cpu_schedule
+
+    return dict(cpu_schedule(target).DEFAULTS)
+
+
 def _build_cpu(spec: AttentionSpec, target: dict, knobs: dict | None = None, only: tuple | None = None):
     tvm = _tvm()
     from .kernels.common import long_scores
     from .schedules import cpu_schedule
 
     schedule = cpu_schedule(target)
-    knobs = {**schedule.DEFAULTS, **tuned_knobs(_tuning_kind(target), spec), **(knobs or {})}
+    knobs = {**default_knobs(spec, target), **tuned_knobs(_tuning_kind(target), spec), **(knobs or {})}
     with long_scores("varlen" in spec.variants or spec.kv_cache):  # per-sequence coordinates in every score
         funcs = {name: f for name, f in schedule.kernels(spec, target, knobs).items() if only is None or name in only}
     sch = tvm.s_tir.Schedule(tvm.IRModule(funcs))
@@ -227,7 +238,7 @@ def cuda_kernels(spec: AttentionSpec, arch: str, knobs: dict | None = None) -> d
     from .kernels.score_mods import math_target
     from .schedules import cuda_kernels as kernels
 
-    knobs = {**kernels.default_knobs(spec), **tuned_knobs("cuda", spec), **(knobs or {})}
+    knobs = {**default_knobs(spec, cuda_target(arch)), **tuned_knobs("cuda", spec), **(knobs or {})}
     with math_target("cuda"):
         return kernels.kernels(spec, arch, knobs)
 

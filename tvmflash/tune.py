@@ -33,7 +33,7 @@ import math
 import random
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._paths import TUNING_LOGS_DIR
@@ -184,6 +184,7 @@ class Candidate:
     spec: AttentionSpec
     phase: str
     knobs: dict
+    baseline: bool = field(default=False, compare=False)  # the knobs the shipped record builds
 
     @property
     def key(self) -> str:
@@ -196,19 +197,23 @@ class Candidate:
 
 
 def plan(kind: str, specs: list, phases: tuple | None = None, seed: int = 0) -> list[list[Candidate]]:
-    """Per workload (spec, phase): its candidates, the current record's first (the baseline),
-    the rest in a seeded random order (a resumed run continues the same order)."""
+    """Per workload (spec, phase): its candidates, the one with the knobs a build takes now
+    (records over defaults) first as the baseline, the rest in a seeded random order (a
+    resumed run continues the same order)."""
+    from .build import default_knobs
+
     out = []
     for spec in specs:
         for phase in phases_of(spec, kind):
             if phases and phase not in phases:
                 continue
             found = grid(spec, phase, kind)
-            current = tuned_knobs(kind, spec)
+            current = {**default_knobs(spec, target_of(kind)), **tuned_knobs(kind, spec)}
             first = [c for c in found if all(current.get(k) == v for k, v in c.items())][:1]
             rest = [c for c in found if c not in first]
             random.Random(f"{seed}/{spec.name}/{phase}").shuffle(rest)
-            out.append([Candidate(spec, phase, c) for c in first + rest])
+            out.append([Candidate(spec, phase, c, baseline=True) for c in first]
+                       + [Candidate(spec, phase, c) for c in rest])
     return out
 
 
@@ -280,6 +285,15 @@ class WorkDir:
     def is_measured(self, c: Candidate) -> bool:
         return (c.spec.name, c.phase, _tag(c.knobs)) in self.measured
 
+    def retimed(self, candidates: list) -> dict:
+        """(spec, phase) -> this run's seconds for each of `candidates` that it measured."""
+        out = {}
+        for r in self.db.records:
+            for c in candidates:
+                if r.valid and (r.spec, r.phase) == (c.spec.name, c.phase) and _tag(r.knobs) == _tag(c.knobs):
+                    out[(r.spec, r.phase)] = r.secs
+        return out
+
     def build(self, c: Candidate, target: dict, grid_values: dict) -> None:
         """Index `c` (its workload line and trace) and compile it (its library unless a sibling
         built it); a compile error propagates, leaving the candidate indexed without a library."""
@@ -344,7 +358,9 @@ def tune(kind: str, specs: list, phases: tuple | None = None, trials: int = 16, 
     work = WorkDir(work_dir)
     can_build, can_time = has_compiler(), runs_here(kind) and not build_only
     queues = []  # per workload: its unmeasured candidates with the workload's grid values (for traces)
+    baselines = []  # the shipped records' knobs as candidates (a plan's, where there is a compiler)
     for workload in plan(kind, specs, phases) if can_build else work.planned(specs, phases):
+        baselines += [c for c in workload if c.baseline]
         grid_values: dict = {}
         for c in workload:
             for k, v in c.knobs.items():
@@ -383,7 +399,8 @@ def tune(kind: str, specs: list, phases: tuple | None = None, trials: int = 16, 
         summary["measured"] += secs is not None
         notify("measured", candidate=c, secs=secs, best=work.db.best()[(c.spec.name, c.phase)])
     summary["best"] = {f"{s}/{p}": r for (s, p), r in work.db.best().items()}
-    summary["merged"] = work.db.merge_into(TUNING_LOGS_DIR / kind) if merge and work.db.records else []
+    summary["merged"] = work.db.merge_into(TUNING_LOGS_DIR / kind, work.retimed(baselines)) \
+        if merge and work.db.records else []
     summary["elapsed_s"] = time.perf_counter() - start
     return summary
 

@@ -117,15 +117,19 @@ class Database:
         found = [best[(spec_name, p)].knobs for p in PHASES if (spec_name, p) in best]
         return {k: v for knobs in found for k, v in knobs.items()} if found else None
 
-    def merge_into(self, directory: Path) -> list[tuple[Record, Record | None]]:
+    def merge_into(self, directory: Path, retimed: dict | None = None) -> list[tuple[Record, Record | None]]:
         """Merge this database's best record per workload into the database at `directory`,
         which then keeps one record per workload, the fastest of both (a tie keeps the old
-        one). Returns (new best, replaced record or None) for each workload that changed."""
+        one). `retimed`: (spec, phase) -> seconds this run measured for the old record's knobs,
+        which its record must beat instead of the old record's own time (taken in another
+        session, perhaps of other kernels or on a busier host). Returns (new best, replaced
+        record or None) for each workload that changed."""
         old = Database(directory)
         kept = {key: (record, old) for key, record in old.best().items()}
+        bars = {key: (retimed or {}).get(key, record.secs) for key, (record, _) in kept.items()}
         changed = []
         for key, record in self.best().items():
-            if record.valid and (key not in kept or record.secs < kept[key][0].secs):
+            if record.valid and (key not in kept or record.secs < bars[key]):
                 changed.append((record, kept[key][0] if key in kept else None))
                 kept[key] = (record, self)
         workloads, lines = [], []
