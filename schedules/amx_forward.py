@@ -183,15 +183,23 @@ def softmax_pair(name, sT, src_scale, m, pp, ls, p, k0, seqlen_k, block_q, terms
             ls[cols] = ls[cols] + e0 + e1
 
 
-def chunked_softmax(score: ScorePipeline, has_mods: bool, dropout: bool, later, whole):
+def chunked_softmax(score: ScorePipeline, has_mods: bool, dropout: bool, later, whole, split, terms):
     """Whether a kv block takes P chunk by chunk, each 32 keys of S^T as the GEMM leaves them
-    (in L1): a block after the first (whose max sets m) whose scores need no pass of their own,
-    i.e. no value modifiers or dropout, and no mask on the tile (all of a plain spec's: its
-    padded keys are 0 in `probabilities`). Xeon, 16 threads, same process: bf16 L = 1024 /
-    4096 forward 1.02-1.06x faster (D = 128 L = 1024 within 1.5%)."""
-    if dropout or score.changes_values:
+    (in L1): a block after the first (whose max sets m) whose scores need no pass of their own:
+    no dropout, no mask on the tile (all of a plain spec's tiles: its padded keys are 0 in
+    `probabilities`), and value modifiers only where `exponent` takes them (`terms`: a lone
+    softcap's on whole tiles, a split bias where the tile splits). Xeon, 16 threads, same
+    process: bf16 L = 1024 / 4096 forward 1.02-1.06x faster (D = 128 L = 1024 within 1.5%),
+    softcap's (D = 128) 1.07-1.10x."""
+    if dropout:
         return tirx.const(False, "bool")
-    return tirx.all(later, whole) if has_mods else later
+    if not has_mods:
+        return later
+    if not score.changes_values or (terms is not None and terms[0] == "squash"):
+        return tirx.all(later, whole)
+    if terms is not None and terms[0] == "split":
+        return tirx.all(later, whole, split)
+    return tirx.const(False, "bool")
 
 
 @T.inline
@@ -381,19 +389,23 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                 tmax[vi] = NEG_INF
                                 ls[vi] = T.float32(0)
                         whole = T.meta_var(score.tile_unmasked(q0, q0 + BQ, k0, k0 + BK))
-                        chunked = T.meta_var(chunked_softmax(score, has_mods, dropout, vkb > kb_lo, whole))
-                        if chunked:  # S^T 32 keys at a time, each chunk's P taken while it is in L1
-                            for c in T.serial(BK // 32):
-                                qk_rows("qk_chunk", sT, KP, qp, vb, vhk, k0, c * 32, 32, D, BQ, kp_row, ROW * 4)
-                                for p in T.serial(16):
-                                    softmax_pair("softmax_chunk", sT, scale * T.float32(LOG2E), m, pp, ls, c * 16 + p,
-                                                 k0, LK, BQ, None, zT, False)
-                        else:
-                            qk_rows("qk_amx", sT, KP, qp, vb, vhk, k0, 0, BK, D, BQ, kp_row, ROW * 4)  # S^T = K . Q^T
                         split, side = T.meta_var(split_tile(score, whole, q0, q0 + BQ, k0, k0 + BK))
                         terms = T.meta_var(value_terms(score, scale, whole, keyterm, rowterm))
                         if score.splits_bias:
                             bias_terms(score, split, side, keyterm, rowterm, vb, vh, q0, k0, BK, BQ)
+                        # exponents in log2 units: raw scores carry the scale, modified ones are scaled
+                        # already (a whole tile of a mask-only spec is left raw)
+                        rewritten = T.meta_var(rewritten_tile(score, has_mods, whole, split, terms))
+                        src_scale = T.meta_var(T.Select(rewritten, T.float32(LOG2E), scale * T.float32(LOG2E)))
+                        chunked = T.meta_var(chunked_softmax(score, has_mods, dropout, vkb > kb_lo, whole, split, terms))
+                        if chunked:  # S^T 32 keys at a time, each chunk's P taken while it is in L1
+                            for c in T.serial(BK // 32):
+                                qk_rows("qk_chunk", sT, KP, qp, vb, vhk, k0, c * 32, 32, D, BQ, kp_row, ROW * 4)
+                                for p in T.serial(16):
+                                    softmax_pair("softmax_chunk", sT, src_scale, m, pp, ls, c * 16 + p,
+                                                 k0, LK, BQ, terms, zT, False)
+                        else:
+                            qk_rows("qk_amx", sT, KP, qp, vb, vhk, k0, 0, BK, D, BQ, kp_row, ROW * 4)  # S^T = K . Q^T
                         if dropout:
                             dropout_tile_16(score.dropout, zT, words, vb, vh, q0, k0, BQ, BK)
                         if has_mods:  # modified scores in place (vectorised here, not by a rule)
@@ -414,10 +426,6 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                                 vj, vi = T.axis.remap("SS", [j, i])
                                                 sT[vj, vi] = modified(score, sT[vj, vi] * scale,
                                                                       ScoreIndex(vb, vh, q0 + vi, k0 + vj), False)
-                        # exponents in log2 units: raw scores carry the scale, modified ones are scaled
-                        # already (a whole tile of a mask-only spec is left raw)
-                        rewritten = T.meta_var(rewritten_tile(score, has_mods, whole, split, terms))
-                        src_scale = T.meta_var(T.Select(rewritten, T.float32(LOG2E), scale * T.float32(LOG2E)))
                         if vkb > kb_lo and not chunked:  # P with the running max m (the first block sets m)
                             for p in T.serial(PAIRS):
                                 softmax_pair("softmax_pack", sT, src_scale, m, pp, ls, p, k0, LK, BQ, terms, zT, dropout)
