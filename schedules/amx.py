@@ -42,6 +42,18 @@ def bf16_row(lo, hi):
 _INTERLEAVE = [x for m in range(16) for x in (m, m + 16)]
 
 
+_ROW_LANES = tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), 16)  # row r of a 16-row gather
+
+
+def _gather_16(dtype: str, base, byte_offsets):
+    """16 lanes of `dtype` ("int32x16": `vpgatherdd`, "float32x16": `vgatherdps`) from base +
+    byte_offsets (int32x16), all lanes on."""
+    intrin = {"int32x16": "llvm.x86.avx512.mask.gather.dpi.512", "float32x16": "llvm.x86.avx512.mask.gather.dps.512"}
+    zero = tirx.Broadcast(tirx.const(0, dtype.split("x")[0]), 16)
+    return tirx.call_llvm_pure_intrin(dtype, intrin[dtype], zero, base, byte_offsets,
+                                      tirx.Broadcast(tirx.const(True, "bool"), 16), tirx.const(1, "int32"))
+
+
 def word_column(src, b, h, r0, p, rows):
     """The 32-bit words src[b, h, r0 + r, 2p : 2p + 2] (a bf16 pair) of rows r < 32, as two
     int32x16 (rows r0..r0+15, r0+16..r0+31; 0 for rows past `rows`), by two `vpgatherdd` (row
@@ -50,17 +62,14 @@ def word_column(src, b, h, r0, p, rows):
     emits its bindings into the statement being built. The gathers' 32-bit byte offsets
     count from the first row, so they stay within 31 rows whatever the sequence's length."""
     first = tirx.min(r0, rows - 1)
-    lanes = tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), 16)
     row_bytes = tirx.Broadcast(tirx.Cast("int32", src.strides[2] * 2), 16)
     last = tirx.Broadcast(tirx.Cast("int32", rows - 1 - first), 16)
     zero = tirx.Broadcast(tirx.const(0, "int32"), 16)
     base = tirx.address_of(src[b, h, first, p * 2])
     words = []
     for half in range(2):
-        row = tirx.Broadcast(tirx.Cast("int32", r0 - first + half * 16), 16) + lanes  # from `first`
-        gathered = tirx.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.mask.gather.dpi.512", zero, base,
-                                              tirx.min(row, last) * row_bytes,
-                                              tirx.Broadcast(tirx.const(True, "bool"), 16), tirx.const(1, "int32"))
+        row = tirx.Broadcast(tirx.Cast("int32", r0 - first + half * 16), 16) + _ROW_LANES  # from `first`
+        gathered = _gather_16("int32x16", base, tirx.min(row, last) * row_bytes)
         words.append(irb.bind(tirx.Select(row <= last, gathered, zero)))
     return words
 
@@ -69,11 +78,8 @@ def column_16(src, rows_at: list, row_bytes):
     """The 16 fp32 src[rows_at + (r, ...)] of rows r < 16 of one column (rows `row_bytes` apart,
     row_bytes a 32-bit value) as one fp32x16, by one `vgatherdps`: TIR loads a column lane by
     lane (an insert an element)."""
-    lanes = tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), 16)
-    return tirx.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.mask.gather.dps.512",
-                                      tirx.Broadcast(tirx.const(0.0, F32), 16), tirx.address_of(src[tuple(rows_at)]),
-                                      lanes * tirx.Broadcast(tirx.const(row_bytes, "int32"), 16),
-                                      tirx.Broadcast(tirx.const(True, "bool"), 16), tirx.const(1, "int32"))
+    return _gather_16("float32x16", tirx.address_of(src[tuple(rows_at)]),
+                      _ROW_LANES * tirx.Broadcast(tirx.const(row_bytes, "int32"), 16))
 
 
 def store_bf16_row(dst, index: list, lo, hi) -> None:

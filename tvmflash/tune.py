@@ -287,12 +287,9 @@ class WorkDir:
 
     def retimed(self, candidates: list) -> dict:
         """(spec, phase) -> this run's seconds for each of `candidates` that it measured."""
-        out = {}
-        for r in self.db.records:
-            for c in candidates:
-                if r.valid and (r.spec, r.phase) == (c.spec.name, c.phase) and _tag(r.knobs) == _tag(c.knobs):
-                    out[(r.spec, r.phase)] = r.secs
-        return out
+        wanted = {(c.spec.name, c.phase, _tag(c.knobs)) for c in candidates}
+        return {(r.spec, r.phase): r.secs for r in self.db.records
+                if r.valid and (r.spec, r.phase, _tag(r.knobs)) in wanted}
 
     def build(self, c: Candidate, target: dict, grid_values: dict) -> None:
         """Index `c` (its workload line and trace) and compile it (its library unless a sibling
