@@ -234,6 +234,12 @@ def test_amx_forward_reads_whole_keys_in_place():
         assert ops._amx_packs(kernels, k[:, :, 1:], v[:, :, 1:])[0].stride(2) == 128  # padded: packed
         assert ops._forward_kernel_name(kernels, q, k) == ("forward" if lq < 256 else "forward_long")
         check_against_reference(q, k, v, dout, flash_run(True), causal="bottom_right")
+    # 16 heads of 128: rows 4 KB apart, a K tile's 16 rows in one L1 set: copied
+    q, k, v, dout = (x.transpose(1, 2).contiguous().transpose(1, 2)
+                     for x in make(1, 16, 16, 100, 2 * AMX_KV_PAD, 128, torch.bfloat16))
+    kp = ops._amx_packs(kernels, k, v)[0]
+    assert kp is not k and kp.stride(2) == 128 and torch.equal(kp, k)
+    check_against_reference(q, k, v, dout, flash_run(True), causal="bottom_right")
 
 
 # (causal, softcap, ALiBi slopes' kind) of test_amx_variants (scripts/device_prebuild_cpu.py builds them)

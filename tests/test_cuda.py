@@ -517,7 +517,8 @@ def test_cuda_variants(dtype, d, causal, window, alibi, softcap, dropout_p, lq, 
     _check_close("out", ours(q, k, v), ref(*[x.double() for x in (q, k, v)]), ref(q, k, v))
     ref64 = _grads(ref, [x.double() for x in (q, k, v)], dout.double())
     low = _grads(ref, (q, k, v), dout)
-    for deterministic in (False, True) if dropout_p else (False,):  # dropout in both dQ kernels
+    # dropout and softcap (its factor recomputed from P) in both dQ kernels
+    for deterministic in (False, True) if dropout_p or softcap else (False,):
         run = lambda q, k, v: ours(q, k, v, deterministic)  # noqa: E731
         for name, a, r, lo in zip(("dq", "dk", "dv"), _grads(run, (q, k, v), dout), ref64, low):
             _check_close(f"{name} (deterministic={deterministic})", a, r, lo)
