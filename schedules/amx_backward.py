@@ -28,7 +28,7 @@ from ..kernels.backward import declare_backward_inputs, load_row_stats
 from ..kernels.common import F32, KernelArgs, Shape, fast_exp
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
 from .amx import (BF16, PAIR, amx_dropout_buffers, bf16_pairs, bf16_row, configure_tiles, dropout_tile_16, pair_bits,
-                  release_tiles, store_word_halves, store_words, tile_gemm, word_column)
+                  release_tiles, stage_rows, store_word_halves, store_words, tile_gemm, word_column)
 from .amx_forward import amx_supported, dropped, modified, z_rows
 
 __all__ = ["amx_supported", "backward_amx_pack_kernel", "backward_amx_kernel"]
@@ -96,13 +96,17 @@ def backward_amx_pack_kernel(spec, pad: int) -> tirx.PrimFunc:
                 vc = T.axis.spatial(NQC, t % NQC)
                 i0 = T.meta_var(vc * CH)
                 row = T.meta_var(lambda i: T.min(i0 + i, LQ - 1))
+                q_rows = T.sblock_alloc_buffer((1, 1, CH, D), "uint16")
+                do_rows = T.sblock_alloc_buffer((1, 1, CH, D), "uint16")
+                stage_rows(q_rows, Q, vb, vh, i0, LQ, CH, D)
+                stage_rows(do_rows, DO, vb, vh, i0, LQ, CH, D)
                 for p in T.serial(D // 2):
                     with T.sblock("pack_qd"):
                         vp = T.axis.remap("S", [p])
-                        T.reads(Q[vb, vh, 0:LQ, vp * 2:vp * 2 + 2], DO[vb, vh, 0:LQ, vp * 2:vp * 2 + 2])
+                        T.reads(q_rows[0, 0, 0:CH, vp * 2:vp * 2 + 2], do_rows[0, 0, 0:CH, vp * 2:vp * 2 + 2])
                         T.writes(P.qd[vb, vh, vp, i0:i0 + CH], P.dod[vb, vh, vp, i0:i0 + CH])
-                        store_words(P.qd, [vb, vh, vp], i0, word_column(Q, vb, vh, i0, vp, LQ))
-                        store_words(P.dod, [vb, vh, vp], i0, word_column(DO, vb, vh, i0, vp, LQ))
+                        store_words(P.qd, [vb, vh, vp], i0, word_column(q_rows, 0, 0, 0, vp, CH))
+                        store_words(P.dod, [vb, vh, vp], i0, word_column(do_rows, 0, 0, 0, vp, CH))
                 for r, d in T.grid(CH // 2, D):
                     with T.sblock("pack_qq"):
                         vr, vd = T.axis.remap("SS", [r, d])

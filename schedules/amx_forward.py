@@ -40,7 +40,7 @@ from ..kernels.dropout import Dropout
 from ..kernels.forward import declare_forward_args
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
 from .amx import (BF16, PAIR, amx_dropout_buffers, bf16_pairs, column_16, configure_tiles, dropout_tile_16, exp2_16,
-                  release_tiles, store_bf16_row, store_word_halves, store_words, tile_gemm, word_column)
+                  release_tiles, stage_rows, store_bf16_row, store_word_halves, store_words, tile_gemm, word_column)
 
 LN2 = 0.6931471805599453
 NEG_INF16 = tirx.Broadcast(NEG_INF, 16)
@@ -286,12 +286,14 @@ def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int, with_k: bool = Tru
                             vj, vd = T.axis.remap("SS", [j, d])
                             KP[vb, vh, j0 + vj, vd] = T.Select(
                                 j0 + vj < LK, K[vb, vh, T.min(j0 + vj, LK - 1), vd], T.bfloat16(0))
+                stage = T.sblock_alloc_buffer((1, 1, CH, D), "uint16")
+                stage_rows(stage, V, vb, vh, j0, LK, CH, D)
                 for p in T.serial(D // 2):
                     with T.sblock("pack_vT"):
                         vp = T.axis.remap("S", [p])
-                        T.reads(V[vb, vh, 0:LK, vp * 2:vp * 2 + 2])
+                        T.reads(stage[0, 0, 0:CH, vp * 2:vp * 2 + 2])
                         T.writes(VT[vb, vh, vp * 2:vp * 2 + 2, j0:j0 + CH])
-                        store_word_halves(VT, vb, vh, vp, j0, word_column(V, vb, vh, j0, vp, LK))
+                        store_word_halves(VT, vb, vh, vp, j0, word_column(stage, 0, 0, 0, vp, CH))
 
     return pack.with_attr("global_symbol", "forward_pack" if with_k else "forward_pack_vt")
 
