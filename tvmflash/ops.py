@@ -427,6 +427,7 @@ def _amx_packs(kern: dict, k: torch.Tensor, v: torch.Tensor) -> tuple:
     return kp, vt
 
 
+@functools.lru_cache(maxsize=64)
 def _rows_crowd_an_l1_set(row_bytes: int, rows: int = 16) -> bool:
     """Whether more than half of `rows` rows `row_bytes` apart (a tile load's) fall into one L1
     set (x86 L1D: 64 sets of 64-byte lines, 12 ways on Sapphire Rapids). flash_attn_func's
