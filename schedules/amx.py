@@ -45,7 +45,7 @@ _INTERLEAVE = [x for m in range(16) for x in (m, m + 16)]
 _ROW_LANES = tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), 16)  # row r of a 16-row gather
 
 
-def _gather_16(dtype: str, base, byte_offsets):
+def gather_16(dtype: str, base, byte_offsets):
     """16 lanes of `dtype` ("int32x16": `vpgatherdd`, "float32x16": `vgatherdps`) from base +
     byte_offsets (int32x16), all lanes on."""
     intrin = {"int32x16": "llvm.x86.avx512.mask.gather.dpi.512", "float32x16": "llvm.x86.avx512.mask.gather.dps.512"}
@@ -70,7 +70,7 @@ def word_column(src, b, h, r0, p, rows):
     words = []
     for half in range(2):
         row = tirx.Broadcast(tirx.Cast("int32", r0 - first + half * 16), 16) + _ROW_LANES  # from `first`
-        gathered = _gather_16("int32x16", base, tirx.min(row, last) * row_bytes)
+        gathered = gather_16("int32x16", base, tirx.min(row, last) * row_bytes)
         words.append(irb.bind(tirx.Select(row <= last, gathered, zero)))
     return words
 
@@ -105,7 +105,7 @@ def column_16(src, rows_at: list, row_bytes):
     """The 16 fp32 src[rows_at + (r, ...)] of rows r < 16 of one column (rows `row_bytes` apart,
     row_bytes a 32-bit value) as one fp32x16, by one `vgatherdps`: TIR loads a column lane by
     lane (an insert an element)."""
-    return _gather_16("float32x16", tirx.address_of(src[tuple(rows_at)]),
+    return gather_16("float32x16", tirx.address_of(src[tuple(rows_at)]),
                       _ROW_LANES * tirx.Broadcast(tirx.const(row_bytes, "int32"), 16))
 
 

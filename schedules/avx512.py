@@ -62,9 +62,14 @@ def has_amx(target: dict) -> bool:
 def kernels(spec, target: dict, knobs: dict) -> dict:
     """Name -> PrimFunc of every kernel of `spec`'s module for `target`."""
     from .amx_backward import backward_amx_kernel, backward_amx_pack_kernel
+    from .amx_decode import decode_amx_kernel
     from .amx_forward import amx_supported, forward_amx_kernel, forward_amx_pack_kernel
 
     funcs = host.kernels(spec, target, knobs)
+    if has_amx(target) and amx_supported(spec):  # the split-KV forward of more rows a kv-head
+        for split in ("decode", "forward_split"):
+            if split in funcs:
+                funcs[f"{split}_tiles"] = decode_amx_kernel(spec, f"{split}_tiles")
     if has_amx(target) and amx_supported(spec) and not spec.kv_cache:
         funcs["forward"] = forward_amx_kernel(spec, knobs["block_q"], knobs["block_k"], AMX_KV_PAD)
         if knobs["long_block_q"] != knobs["block_q"]:

@@ -20,6 +20,7 @@ from .knobs import Knobs
 DEFAULTS = {"block_q": 64, "block_k": 64, "bwd_block_q": 64, "bwd_block_k": 64}
 SPLIT_MAX_Q = 16  # the split-KV forward serves Lq <= this (decode)
 SPLIT_BLOCK_ROWS = 4  # query rows (a kv-head's heads x queries) per task
+SPLIT_AMX_ROWS = 16  # query rows per task of the AMX decode (schedules/amx_decode.py): a tile's
 SPLIT_BLOCK_K = 64  # keys per kv-block (the unit of the splits)
 SPLIT_TASK_KEYS = 2048  # automatic splits: at most this many keys a task (Xeon, 1k-16k caches)
 # O columns a value pass of the split-KV forward keeps in registers, per fp32 lanes of the

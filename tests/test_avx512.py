@@ -114,14 +114,20 @@ def test_asm_fp32_and_fp16_run_on_zmm_fmas(dtype):
         assert "tdpbf16ps" not in asm[name]
 
 
-def test_asm_decode_prefetches_rows_on_zmm_fmas():
-    """The cache decode kernel prefetches its K / V rows into L2 (prefetcht1: a kv-head's rows
-    lie at a stride the hardware prefetchers do not follow) and computes on zmm FMAs."""
+def test_asm_decode_prefetches_rows_on_fmas_and_tiles():
+    """The bf16 cache decode kernels prefetch their K / V rows into L2 (prefetcht1: a kv-head's
+    rows lie at a stride the hardware prefetchers do not follow); the 4-row and one-row kernels
+    compute on zmm FMAs, the kernels for more rows a kv-head (`*_tiles`, also the dense
+    split-KV forward's) on AMX tiles."""
     from dataclasses import replace
 
-    asm = spr_asm(replace(AttentionSpec("bfloat16", 128), kv_cache=True))["decode"]
-    assert asm.count("prefetcht1") >= 8
-    assert asm.count("vfmadd231ps\t%zmm") >= 32
+    asm = spr_asm(replace(AttentionSpec("bfloat16", 128), kv_cache=True))
+    for name in ("decode", "decode_tiles"):
+        assert asm[name].count("prefetcht1") >= 8, name
+    assert asm["decode"].count("vfmadd231ps\t%zmm") >= 32 and "tdpbf16ps" not in asm["decode"]
+    assert asm["decode_row"].count("vfmadd231ps\t%zmm") >= 8 and "tdpbf16ps" not in asm["decode_row"]
+    assert asm["decode_tiles"].count("tdpbf16ps") >= 8 and "vpermt2w" in asm["decode_tiles"]
+    assert spr_asm(AttentionSpec("bfloat16", 64, causal="bottom_right"))["forward_split_tiles"].count("tdpbf16ps") >= 4
 
 
 needs_amx = pytest.mark.skipif(not runs_avx512_amx(), reason="CPU lacks AVX512 + AMX (or the OS denies AMX)")
@@ -360,10 +366,30 @@ def test_amx_forward_running_max(direction):
 
 
 @needs_amx
-@pytest.mark.parametrize("lq,heads", [(1, (5, 1)), (3, (5, 1)), (1, (4, 4))])
-def test_kvcache_decode(lq, heads):
-    """flash_attn_with_kvcache's split-KV kernels on the AVX512 path (register blocks of 64 O
-    columns): groups of 5 query heads (4-row tasks, a short last one) and of 1 (the one-row
-    kernel), thousands of keys over several splits, 16-key pages."""
-    check_kvcache("paged16", False, (-1, -1), None, lq, 0, dtype=torch.bfloat16, heads=heads, d=128,
-                  capacity=2100, lengths=(2050, 3, 700))
+@pytest.mark.parametrize("layout,lq,heads,d", [("paged16", 1, (5, 1), 128), ("paged16", 3, (5, 1), 128),
+                                               ("paged16", 1, (4, 4), 128), ("paged48", 1, (32, 8), 128),
+                                               ("paged16", 3, (16, 2), 64), ("contiguous", 2, (8, 2), 128)])
+def test_kvcache_decode(layout, lq, heads, d):
+    """flash_attn_with_kvcache's split-KV kernels on the AVX512 path: bf16 on AMX tiles for more
+    than 4 rows a kv-head (16-row tasks: 5 rows, a short block whose repeated rows are not
+    stored; 15; 24 rows, two blocks; 8), the FMA kernel for 4 (32 heads over 8), one query
+    row a kv-head on the one-row FMA kernel, thousands of
+    keys over several splits, pages of 16 and 48 (16-key groups that K's tile loads read in
+    place) and a contiguous cache whose capacity is no multiple of 16, with left padding (the
+    groups that leave the cache are staged)."""
+    capacity = 2101 if layout == "contiguous" else 2100
+    check_kvcache(layout, False, (-1, -1), None, lq, 0, dtype=torch.bfloat16, heads=heads, d=d,
+                  capacity=capacity, lengths=(2050, 3, 700) if layout != "contiguous" else (2078, 3, 700))
+
+
+@needs_amx
+@pytest.mark.parametrize("variant", ["causal_window", "softcap", "alibi"])
+def test_kvcache_decode_variants(variant):
+    """The AMX decode's score pass (16 rows a vector, rows of several heads and queries):
+    causal with a window at Lq = 3, softcap, ALiBi, over splits and a cache with left
+    padding."""
+    kw = {"causal_window": dict(causal=True, window=(300, -1)), "softcap": dict(softcap=5.0),
+          "alibi": dict(alibi=True)}[variant]
+    causal, window = kw.pop("causal", False), kw.pop("window", (-1, -1))
+    check_kvcache("contiguous", causal, window, None, 3, 1, dtype=torch.bfloat16, heads=(8, 2), d=128,
+                  capacity=1000, lengths=(900, 3, 400), num_splits=2, **kw)

@@ -37,10 +37,13 @@ from .tuning import DECODE_PHASES, tuned_knobs
 
 CPU_KERNELS = ("forward", "backward_delta", "backward_dkdv", "backward_dq",
                "backward_fused")
-# AMX operand packing; the split-KV decode forward (not for dropout: training only) and its
-# one-query-row variants (schedules/host.py)
+# AMX operand packing; the split-KV decode forward (not for dropout: training only), its
+# one-query-row variants (schedules/host.py) and its AMX variants for more rows a kv-head
+# (schedules/amx_decode.py)
 CPU_OPTIONAL_KERNELS = ("forward_pack", "forward_pack_vt", "forward_long", "backward_pack", "forward_split",
-                        "forward_split_row", "forward_split_combine", "decode_row")
+                        "forward_split_row", "forward_split_tiles", "forward_split_combine", "decode_row",
+                        "decode_tiles")
+AMX_KERNELS = ("forward_pack", "decode_tiles", "forward_split_tiles")  # in every module that runs on AMX tiles
 CUDA_KERNELS = ("forward", "backward_prep", "backward_dkdv_dq", "backward_dq_convert", "backward_dkdv",
                 "backward_dq")
 DECODE_KERNELS = ("decode", "decode_combine")  # a kv_cache spec's CPU module
@@ -435,7 +438,7 @@ def load_cached(spec: AttentionSpec, target: dict | None = None) -> dict:
             optional = CUDA_OPTIONAL_KERNELS if target["kind"] == "cuda" else CPU_OPTIONAL_KERNELS
             kernels.update((name, module[name]) for name in optional
                            if module.implements_function(name, query_imports=True))
-            if "forward_pack" in kernels and not request_amx():
+            if any(name in kernels for name in AMX_KERNELS) and not request_amx():
                 raise RuntimeError(f"{spec.name} for {target_label(target)} runs on AMX, which this "
                                    "CPU or OS does not provide")
             _modules[key] = kernels

@@ -4,15 +4,18 @@ s_tir TensorIR, and the kernel that merges its partial results.
 `forward_split`: one task per (batch, split, kv-head, block of query rows); a kv-head's rows
 are the queries of its query heads (GQA packs the group), and its kv-blocks are cut into
 `splits` consecutive ranges so that few queries still fill the cores. With so few queries there
-is no matmul worth the name, and the time goes into reading K and V: they are read in place
-(no tile copies), each key row once per task, converted to fp32 once and used by all the
-task's rows from registers (QK^T as per-lane products summed by halving, PV with the rows'
-O columns held in registers across the block), with the next rows software-prefetched into
-L2 (rows of one kv-head lie Hk * D apart in flash-attn's cache layout, a stride the hardware
-prefetchers do not follow). Each task writes its rows' O normalised by their own row sums and
-their lse, in fp32. Measured on the Xeon (bf16 B=16 H=32 Hk=8 D=128, one query): 58-83 GB/s
-of K/V, half to two thirds of what a sum reads there (162 GB/s over 64 MB, 89 over 1 GB): a
-task reads D of every Hk x D elements; the same bytes as one kv-head ran 1.01-1.32x faster.
+is no matmul worth the name: K and V are read in place (no tile copies), each key row once per
+task, converted to fp32 once and used by all the task's rows from registers (QK^T as per-lane
+products, whose lane sums 16 keys at a time take a tree of shuffles, `store_lane_sums`; PV
+with the rows' O columns held in registers across the block; bf16 rows converted 32 elements
+at a time into their even and odd elements, `store_paired_row`), with the next rows
+software-prefetched into L2 (rows of one kv-head lie Hk * D apart in flash-attn's cache layout,
+a stride the hardware prefetchers do not follow). Each task writes its rows' O normalised by
+their own row sums and their lse, in fp32. Measured on the Xeon (bf16 B=16 H=32 Hk=8 D=128, one
+query, 16 threads): at 1k keys the compute is most of the time (a table whose pages are all
+one page, so nothing comes from memory, ran 0.57 ms against 0.73 ms on real pages); the lane
+sum tree and the paired conversion together made it 1.05-1.08x faster at 1k, 1.04-1.18x at
+4k-16k. (bf16 kv-heads of more than 4 rows run on AMX tiles: schedules/amx_decode.py.)
 
 `forward_combine`: lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse) O_s; a query no
 split saw gets O = 0, lse = -inf, as from the one-pass forward.
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import tirx
 from tvm.script import tirx as T
+from tvm.script.ir_builder import tirx as irb
 
 from ..spec import AttentionSpec
 from .common import F32, NEG_INF, KernelArgs, Shape, fast_exp
@@ -106,6 +110,123 @@ def declare_decode_args(spec: AttentionSpec, shape: Shape, splits: tirx.Var, cou
     return (q, k, v, cache, o, lse, *outputs, scale, ScorePipeline(spec.modifiers(), args, shape))
 
 
+def declare_split_args(spec: AttentionSpec, shape: Shape, splits: tirx.Var):
+    """A split-KV kernel's arguments: (q, k, v, (o_part, o), (lse_part, lse), scale, the bound
+    ScorePipeline, CacheArgs or None): a kv_cache spec's decode arguments, else the forward's."""
+    if spec.kv_cache:
+        q, k, v, cache, o_part, lse_part, o, lse, scale, score = declare_decode_args(spec, shape, splits)
+        return q, k, v, (o_part, o), (lse_part, lse), scale, score, cache
+    return (*declare_forward_args(spec, shape, splits), None)
+
+
+def task_keys(buf, cache, shape: Shape, b, hk, head_dim: int):
+    """The region of K or V the task of (b, hk) may read."""
+    if cache is None:
+        return buf[b, hk, 0:shape.seqlen_k, 0:head_dim]
+    return buf[0:cache.num_pages, 0:cache.page_size, hk, 0:head_dim]
+
+
+def sequence(score: ScorePipeline, cache, b, seqlen_q):
+    """(the pipeline in batch entry b's coordinates, the first key's position)"""
+    if cache is None:
+        return score, tirx.const(0, "int64")
+    return score.in_sequence(seqlen_q, cache.count(b)), cache.start(b)
+
+
+def key_element(buf, cache, where, slot, b, hk, k0, j, d, seqlen_k):
+    """Key k0 + j's element d (dense: clamped into the keys; cached: through `where`, the
+    block's key positions from `key_positions`)."""
+    if cache is None:
+        return buf[b, hk, tirx.min(k0 + j, seqlen_k - 1), d]
+    return buf[tirx.Cast("int64", where[slot, j, 0]), tirx.Cast("int64", where[slot, j, 1]), hk, d]
+
+
+def prefetch_l2(element):
+    """Prefetch (read) the cache line of `element` into L2 (prefetcht1): rows of one kv-head
+    lie at a stride that would make L1's few sets thrash."""
+    return T.call_intrin("void", "tirx.prefetch", T.address_of(element), T.int32(0), T.int32(2), T.int32(1))
+
+
+def split_blocks(score: ScorePipeline, first_key, seqlen_q, splits, split, block_k: int):
+    """(kb_lo, kb_hi, clamp) of split `split`: its kv-blocks [kb_lo, kb_hi) of `block_k` keys,
+    aligned to cache positions (block kb holds positions [kb block_k, (kb + 1) block_k)), and
+    `clamp`, which moves a position into the sequence's keys (a key outside them gets p = 0,
+    but 0 x a NaN from unwritten cache memory is NaN)."""
+    lo, hi = score.kv_range(tirx.const(0, "int64"), seqlen_q)  # every row's keys
+    kb_first = (first_key + lo) // block_k
+    kb_end = tirx.max((first_key + hi + block_k - 1) // block_k, kb_first)
+    per_split = (kb_end - kb_first + splits - 1) // splits
+    kb_lo = tirx.min(kb_first + split * per_split, kb_end)
+    kb_hi = tirx.min(kb_lo + per_split, kb_end)
+    clamp = lambda pos: tirx.min(tirx.max(pos, first_key), first_key + tirx.max(hi, 1) - 1)  # noqa: E731
+    return kb_lo, kb_hi, clamp
+
+
+@T.macro
+def key_positions(where, slot, cache, b, k0, clamp, block_k):
+    """where[slot, j] = the (page, row) of block k0's key j, clamped into the sequence: one page
+    lookup per 16 keys (the clamped positions of 16 aligned keys lie in one page and are
+    consecutive from the first one's)."""
+    for g in T.serial(block_k // PAGE_ALIGN):
+        for j in T.serial(PAGE_ALIGN):
+            where[slot, g * PAGE_ALIGN + j, 0] = cache.page(b, clamp(k0 + g * PAGE_ALIGN))
+            where[slot, g * PAGE_ALIGN + j, 1] = cache.row(clamp(k0 + g * PAGE_ALIGN)) + T.Cast(
+                "int32", clamp(k0 + g * PAGE_ALIGN + j) - clamp(k0 + g * PAGE_ALIGN))
+
+
+def _fold_pairs(a, b, width: int):
+    """Two 16-lane vectors holding keys in groups of `width` lanes as one holding their keys in
+    groups of width / 2: each key's two halves added (a's keys first)."""
+    half = width // 2
+    lo = [t * width + i for t in range(LANES // width) for i in range(half)]
+    lo += [LANES + x for x in lo]
+    picks = [[tirx.const(x + shift, "int32") for x in lo] for shift in (0, half)]
+    return tirx.Shuffle([a, b], picks[0]) + tirx.Shuffle([a, b], picks[1])
+
+
+def store_lane_sums(dst, index: list, vectors: list) -> None:
+    """dst[*index[:-1], index[-1] + j] = the sum of the 16 lanes of vectors[j], j < 16, by a
+    tree of shuffles and adds (30 shuffles and 15 adds for 16 sums, where a horizontal sum takes
+    about 8 instructions each). Emits its bindings into the statement being built."""
+    width = LANES
+    while len(vectors) > 1:
+        vectors = [irb.bind(_fold_pairs(a, b, width)) for a, b in zip(vectors[0::2], vectors[1::2])]
+        width //= 2
+    *prefix, c0 = index
+    irb.buffer_store(dst, vectors[0], [*prefix, tirx.Ramp(c0, 1, LANES)])
+
+
+PAIR_CHUNK = 32  # bf16 elements converted at once by `store_paired_row`
+
+
+def paired_dim(d):
+    """The head dim at position d of a row converted by `store_paired_row`: each 32 elements
+    hold their even elements, then their odd ones."""
+    return d // PAIR_CHUNK * PAIR_CHUNK + d % 16 * 2 + d % PAIR_CHUNK // 16
+
+
+def paired_slot(d):
+    """The position of head dim d in such a row (the inverse of `paired_dim`)."""
+    return d // PAIR_CHUNK * PAIR_CHUNK + d % 2 * 16 + d % PAIR_CHUNK // 2
+
+
+def chunk_lanes(c):
+    """Elements [32c, 32c + 32) of a row, as a load's last index."""
+    return tirx.Ramp(tirx.Cast("int64", c * PAIR_CHUNK), tirx.const(1, "int64"), PAIR_CHUNK)
+
+
+def store_paired_row(dst, base, c, chunk):
+    """dst[base + 32c + i] = the fp32 of element 2i (i < 16), then 2i - 31 (16 <= i < 32), of the 32
+    bf16 `chunk`: its 32-bit words shifted left by 16 (even elements) and masked to their high
+    halves (odd ones)."""
+    words = tirx.reinterpret("uint32x16", tirx.reinterpret("uint16x32", chunk))
+    even = tirx.reinterpret("float32x16", words << tirx.Broadcast(tirx.const(16, "uint32"), 16))
+    odd = tirx.reinterpret("float32x16", words & tirx.Broadcast(tirx.const(0xFFFF0000, "uint32"), 16))
+    start = base + c * PAIR_CHUNK
+    irb.buffer_store(dst, even, [tirx.Ramp(start, 1, 16)])
+    irb.buffer_store(dst, odd, [tirx.Ramp(start + 16, 1, 16)])
+
+
 def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int = 64,
                          value_cols: int = 64) -> tirx.PrimFunc:
     """Tasks over (batch, split, kv-head, block of `block_rows` query rows), in that order (a
@@ -119,42 +240,17 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
     D, RB, BK = spec.head_dim, block_rows, block_k
     DV = math.gcd(D, value_cols)  # columns of O a value pass keeps in registers
     VL = LANES if D % LANES == 0 else 1  # head dims that are not multiples of 16: scalar lanes
+    # bf16 rows converted 32 elements at a time into their even and odd elements (a shift and a
+    # mask of the 32-bit words, two instructions where widening takes four); q and O's columns
+    # then lie in that order (`paired_dim`), O is put back in order when it is stored
+    PAIRED = spec.dtype == "bfloat16" and VL == LANES and D % PAIR_CHUNK == 0 and DV % PAIR_CHUNK == 0
+    dim_of = paired_dim if PAIRED else (lambda d: d)  # the head dim held at position d
+    slot_of = paired_slot if PAIRED else (lambda d: d)  # the position of head dim d
     shape = Shape.fresh()
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
     S = tirx.Var("splits", "int64")
     cached = spec.kv_cache
-
-    def declare():
-        """(Q, K, V, O, LSE, scale, pipeline, CacheArgs or None)"""
-        if cached:
-            q, k, v, cache, o_part, lse_part, o, lse, scale, score = declare_decode_args(spec, shape, S)
-            return q, k, v, (o_part, o), (lse_part, lse), scale, score, cache
-        return (*declare_forward_args(spec, shape, S), None)
-
-    def keys_of(buf, cache, b, hk):
-        """The region of K or V the task of (b, hk) may read."""
-        if cache is None:
-            return buf[b, hk, 0:LK, 0:D]
-        return buf[0:cache.num_pages, 0:cache.page_size, hk, 0:D]
-
-    def sequence(score, cache, b):
-        """(the pipeline in batch entry b's coordinates, the first key's position)"""
-        if cache is None:
-            return score, tirx.const(0, "int64")
-        return score.in_sequence(LQ, cache.count(b)), cache.start(b)
-
-    def key_ptr(buf, cache, where, slot, b, hk, k0, j, d):
-        """Key k0 + j's element d (dense: clamped into the keys; cached: through `where`)."""
-        if cache is None:
-            return buf[b, hk, tirx.min(k0 + j, LK - 1), d]
-        return buf[tirx.Cast("int64", where[slot, j, 0]), tirx.Cast("int64", where[slot, j, 1]), hk, d]
-
     LINE = 512 // tvm.runtime.DataType(spec.dtype).bits  # elements of a 64-byte cache line
-
-    def prefetch_l2(element):
-        """Prefetch (read) the cache line of `element` into L2 (prefetcht1): rows of one kv-head
-        lie at a stride that would make L1's few sets thrash."""
-        return T.call_intrin("void", "tirx.prefetch", T.address_of(element), T.int32(0), T.int32(2), T.int32(1))
 
     def add(a, b):
         return a + b
@@ -181,10 +277,15 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
     def four(part, combine):
         return combine(combine(part[0], part[1]), combine(part[2], part[3]))
 
+    def products_of(prod, r):
+        """Row r's 16 vectors of per-lane products (one a key)."""
+        return [tirx.BufferLoad(prod, [r, tirx.const(x, "int32"), tirx.Ramp(0, 1, LANES)]) for x in range(LANES)]
+
     @T.prim_func(s_tir=True)
     def fwd():
         T.func_attr({"tirx.noalias": True})
-        Q, K, V, (O, O_FINAL), (LSE, LSE_FINAL), scale, score_all, cache = T.meta_var(declare())
+        Q, K, V, (O, O_FINAL), (LSE, LSE_FINAL), scale, score_all, cache = T.meta_var(
+            declare_split_args(spec, shape, S))
         G = T.meta_var(H // HK)
         NRB = T.meta_var((G * LQ + RB - 1) // RB)  # row blocks per kv-head
         for t in T.parallel(B * S * HK * NRB):
@@ -193,13 +294,16 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                 vs = T.axis.spatial(S, t // (HK * NRB) % S)
                 vhk = T.axis.spatial(HK, t // NRB % HK)
                 vrb = T.axis.spatial(NRB, t % NRB)
-                T.reads(Q[vb, vhk * G:vhk * G + G, 0:LQ, 0:D], keys_of(K, cache, vb, vhk), keys_of(V, cache, vb, vhk))
+                T.reads(Q[vb, vhk * G:vhk * G + G, 0:LQ, 0:D], task_keys(K, cache, shape, vb, vhk, D),
+                        task_keys(V, cache, shape, vb, vhk, D))
                 T.writes(O[vb, vhk * G:vhk * G + G, vs, 0:LQ, 0:D], LSE[vb, vhk * G:vhk * G + G, vs, 0:LQ],
                          O_FINAL[vb, vhk * G:vhk * G + G, 0:LQ, 0:D], LSE_FINAL[vb, vhk * G:vhk * G + G, 0:LQ])
                 qs = T.sblock_alloc_buffer((RB, D), F32)
                 acc = T.sblock_alloc_buffer((RB, D), F32)
                 row_f32 = T.sblock_alloc_buffer((D,), F32)  # the key (or value) row being used
                 part = T.sblock_alloc_buffer((LANES,), F32)  # lanes of a reduction
+                # per row: 16 keys' per-lane products (their lane sums are the scores)
+                prod = T.sblock_alloc_buffer((RB, LANES, LANES) if VL == LANES else (1, 1, 1), F32)
                 s = T.sblock_alloc_buffer((RB, BK), F32)
                 st = T.sblock_alloc_buffer((RB, 3), F32)  # per row: m, l, block max
                 rix = T.sblock_alloc_buffer((RB, 2), "int64")  # per row: query head, query index
@@ -207,52 +311,54 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                 # into the sequence (keys outside it get p = 0, but 0 * a NaN from unwritten cache
                 # memory is NaN)
                 where = T.sblock_alloc_buffer((2, BK if cached else 1, 2), "int32")
-                score, first_key = T.meta_var(sequence(score_all, cache, vb))
+                score, first_key = T.meta_var(sequence(score_all, cache, vb, LQ))
                 row = T.meta_var(lambda r: T.min(vrb * RB + r, G * LQ - 1))  # of the kv-head's G * Lq rows
-                lo, hi = T.meta_var(score.kv_range(T.int64(0), LQ))  # every row's keys
-                kb_first = T.meta_var((first_key + lo) // BK)  # blocks aligned to cache positions
-                kb_end = T.meta_var(T.max((first_key + hi + BK - 1) // BK, kb_first))
-                per_split = T.meta_var((kb_end - kb_first + S - 1) // S)
-                kb_lo = T.meta_var(T.min(kb_first + vs * per_split, kb_end))
-                kb_hi = T.meta_var(T.min(kb_lo + per_split, kb_end))
-                clamp = T.meta_var(lambda pos: T.min(T.max(pos, first_key), first_key + T.max(hi, 1) - 1))
+                kb_lo, kb_hi, clamp = T.meta_var(split_blocks(score, first_key, LQ, S, vs, BK))
                 for r in T.serial(RB):
                     rix[r, 0] = vhk * G + row(r) // LQ
                     rix[r, 1] = row(r) % LQ
                     for d in T.vectorized(D):
-                        qs[r, d] = T.Cast(F32, Q[vb, rix[r, 0], rix[r, 1], d]) * scale
+                        qs[r, d] = T.Cast(F32, Q[vb, rix[r, 0], rix[r, 1], dim_of(d)]) * scale
                         acc[r, d] = T.float32(0)
                     st[r, 0] = T.min_value(F32)
                     st[r, 1] = T.float32(0)
                 for kb in T.serial(kb_lo, kb_hi + 1):  # block kb_hi: only its page lookup (prefetch)
                     k0 = T.meta_var(kb * BK)
                     if cached:
-                        # one page lookup per 16 keys: the clamped positions of 16 aligned keys
-                        # lie in one page and are consecutive from the first one's
-                        for g in T.serial(BK // PAGE_ALIGN):
-                            for j in T.serial(PAGE_ALIGN):
-                                where[kb % 2, g * PAGE_ALIGN + j, 0] = cache.page(vb, clamp(k0 + g * PAGE_ALIGN))
-                                where[kb % 2, g * PAGE_ALIGN + j, 1] = cache.row(clamp(k0 + g * PAGE_ALIGN)) + T.Cast(
-                                    "int32", clamp(k0 + g * PAGE_ALIGN + j) - clamp(k0 + g * PAGE_ALIGN))
+                        key_positions(where, kb % 2, cache, vb, k0, clamp, BK)
                     if kb > kb_lo:
                         pk0 = T.meta_var(k0 - BK)  # block kb - 1 is computed here
                         slot = T.meta_var((kb - 1) % 2)
-                        for j in T.serial(BK):  # scores: q . k as per-lane products, summed by halving
-                            for ln in T.serial((D + LINE - 1) // LINE):  # the next block's K, this one's V
-                                T.evaluate(prefetch_l2(key_ptr(K, cache, where, kb % 2, vb, vhk, k0, j, ln * LINE)))
-                                T.evaluate(prefetch_l2(key_ptr(V, cache, where, slot, vb, vhk, pk0, j, ln * LINE)))
-                            for d in T.vectorized(D):
-                                row_f32[d] = T.Cast(F32, key_ptr(K, cache, where, slot, vb, vhk, pk0, j, d))
-                            for r in T.unroll(RB):
-                                for c in T.vectorized(VL):
-                                    part[c] = qs[r, c] * row_f32[c]
-                                for dc in T.serial(1, D // VL):
-                                    for c in T.vectorized(VL):
-                                        part[c] = part[c] + qs[r, dc * VL + c] * row_f32[dc * VL + c]
+                        for jg in T.serial(BK // LANES):  # scores of 16 keys: q . k as per-lane products
+                            for jj in T.serial(LANES):
+                                j = T.meta_var(jg * LANES + jj)
+                                for ln in T.serial((D + LINE - 1) // LINE):  # the next block's K, this one's V
+                                    T.evaluate(prefetch_l2(key_element(K, cache, where, kb % 2, vb, vhk, k0, j, ln * LINE, LK)))
+                                    T.evaluate(prefetch_l2(key_element(V, cache, where, slot, vb, vhk, pk0, j, ln * LINE, LK)))
+                                if PAIRED:
+                                    for c in T.serial(D // PAIR_CHUNK):
+                                        store_paired_row(row_f32, 0, c, key_element(
+                                            K, cache, where, slot, vb, vhk, pk0, j, chunk_lanes(c), LK))
+                                else:
+                                    for d in T.vectorized(D):
+                                        row_f32[d] = T.Cast(F32, key_element(K, cache, where, slot, vb, vhk, pk0, j, d, LK))
+                                for r in T.unroll(RB):
+                                    if VL == LANES:  # the 16 keys' lanes are summed together below
+                                        for c in T.vectorized(VL):
+                                            prod[r, jj, c] = qs[r, c] * row_f32[c]
+                                        for dc in T.serial(1, D // VL):
+                                            for c in T.vectorized(VL):
+                                                prod[r, jj, c] = prod[r, jj, c] + qs[r, dc * VL + c] * row_f32[dc * VL + c]
+                                    else:
+                                        s[r, j] = T.float32(0)
+                                        for d in T.serial(D):
+                                            s[r, j] = s[r, j] + qs[r, d] * row_f32[d]
+                            for r in T.serial(RB):
                                 if VL == LANES:
-                                    fold_to_four(part, add)
-                                s[r, j] = score(four(part, add) if VL == LANES else part[0],
-                                                ScoreIndex(vb, rix[r, 0], rix[r, 1], pk0 + j - first_key))
+                                    store_lane_sums(s, [r, jg * LANES], products_of(prod, r))
+                                for x in T.vectorized(LANES):
+                                    s[r, jg * LANES + x] = score(s[r, jg * LANES + x], ScoreIndex(
+                                        vb, rix[r, 0], rix[r, 1], pk0 + jg * LANES + x - first_key))
                         for r in T.serial(RB):  # online softmax: rescale O by exp(m_old - m_new)
                             fold_scores(part, s, r, T.max)
                             st[r, 2] = four(part, T.max)  # the block's max
@@ -266,14 +372,19 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                             st[r, 1] = st[r, 1] + four(part, add)  # plus the block's sum
                         for dv in T.serial(D // DV):  # O += p_j V_j (padded keys have p = 0)
                             for j in T.serial(BK):
-                                for d in T.vectorized(DV):
-                                    row_f32[d] = T.Cast(F32, key_ptr(V, cache, where, slot, vb, vhk, pk0, j, dv * DV + d))
+                                if PAIRED:
+                                    for c in T.serial(DV // PAIR_CHUNK):
+                                        store_paired_row(row_f32, 0, c, key_element(
+                                            V, cache, where, slot, vb, vhk, pk0, j, chunk_lanes(dv * (DV // PAIR_CHUNK) + c), LK))
+                                else:
+                                    for d in T.vectorized(DV):
+                                        row_f32[d] = T.Cast(F32, key_element(V, cache, where, slot, vb, vhk, pk0, j, dv * DV + d, LK))
                                 for r in T.unroll(RB):
                                     for d in T.vectorized(DV):
                                         acc[r, dv * DV + d] = acc[r, dv * DV + d] + s[r, j] * row_f32[d]
                 for r in T.serial(RB):
                     lse_r = T.meta_var(T.Select(st[r, 1] == T.float32(0), NEG_INF, st[r, 0] + T.log(st[r, 1])))
-                    o_r = T.meta_var(lambda d: T.Select(st[r, 1] == T.float32(0), T.float32(0), acc[r, d] / st[r, 1]))
+                    o_r = T.meta_var(lambda d: T.Select(st[r, 1] == T.float32(0), T.float32(0), acc[r, slot_of(d)] / st[r, 1]))
                     if vrb * RB + r < G * LQ:  # a short last block's repeated rows are not stored
                         if S == 1:  # the final outputs: nothing to merge (a launch and ~20 us saved)
                             LSE_FINAL[vb, rix[r, 0], rix[r, 1]] = lse_r
