@@ -32,8 +32,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..kernels.common import F32, LOG2E, NEG_INF, Shape, fast_exp
-from ..kernels.decode import (declare_split_args, key_element, key_positions, prefetch_l2, sequence, split_blocks,
-                              task_keys)
+from ..kernels.decode import (declare_split_args, key_element, key_positions, prefetch_keys, sequence, split_blocks,
+                              store_row, task_regions)
 from ..kernels.score_mods import ScoreIndex
 from ..spec import AttentionSpec
 from .amx import PAIR, TILE, amx, bf16_row, column_16, configure_tiles, exp2_16, gather_16, release_tiles, row_bytes, tmm
@@ -104,10 +104,10 @@ def decode_amx_kernel(spec: AttentionSpec, name: str = "forward_split") -> tirx.
                 vs = T.axis.spatial(S, t // (HK * NRB) % S)
                 vhk = T.axis.spatial(HK, t // NRB % HK)
                 vrb = T.axis.spatial(NRB, t % NRB)
-                T.reads(Q[vb, vhk * G:vhk * G + G, 0:LQ, 0:D], task_keys(K, cache, shape, vb, vhk, D),
-                        task_keys(V, cache, shape, vb, vhk, D))
-                T.writes(O[vb, vhk * G:vhk * G + G, vs, 0:LQ, 0:D], LSE[vb, vhk * G:vhk * G + G, vs, 0:LQ],
-                         O_FINAL[vb, vhk * G:vhk * G + G, 0:LQ, 0:D], LSE_FINAL[vb, vhk * G:vhk * G + G, 0:LQ])
+                reads, writes = T.meta_var(task_regions(Q, K, V, (O, O_FINAL, LSE, LSE_FINAL), cache, shape,
+                                                        vb, vs, vhk, D))
+                T.reads(reads)
+                T.writes(writes)
                 cfg = T.sblock_alloc_buffer((64,), "uint8")
                 qp = T.sblock_alloc_buffer((D // 2, RB), PAIR)  # Q^T pairs (B of S^T)
                 rix = T.sblock_alloc_buffer((2, RB), "int64")  # per row: query head, query index
@@ -146,9 +146,7 @@ def decode_amx_kernel(spec: AttentionSpec, name: str = "forward_split") -> tirx.
                         pk0 = T.meta_var(k0 - BK)  # block kb - 1 is computed here
                         slot = T.meta_var((kb - 1) % 2)
                         for j in T.serial(BK):  # the next block's K, this one's V, into L2
-                            for ln in T.serial((D + LINE - 1) // LINE):
-                                T.evaluate(prefetch_l2(key_element(K, cache, where, kb % 2, vb, vhk, k0, j, ln * LINE, LK)))
-                                T.evaluate(prefetch_l2(key_element(V, cache, where, slot, vb, vhk, pk0, j, ln * LINE, LK)))
+                            prefetch_keys(K, V, cache, where, kb % 2, slot, vb, vhk, k0, pk0, j, D, LK, LINE)
                         # S^T = K . Q^T, 16 keys a C tile (tmm0 / tmm1), K in tmm2 / tmm3
                         if QT_RESIDENT:
                             for c in T.unroll(KC):
@@ -226,13 +224,6 @@ def decode_amx_kernel(spec: AttentionSpec, name: str = "forward_split") -> tirx.
                     lse_r = T.meta_var(T.Select(st[1, r] == T.float32(0), NEG_INF,
                                                 (st[0, r] + T.log2(st[1, r])) * T.float32(LN2)))
                     o_r = T.meta_var(lambda d: T.Select(st[1, r] == T.float32(0), T.float32(0), acc[r, d] / st[1, r]))
-                    if S == 1:  # the final outputs: nothing to merge
-                        LSE_FINAL[vb, rix[0, r], rix[1, r]] = lse_r
-                        for d in T.vectorized(D):
-                            O_FINAL[vb, rix[0, r], rix[1, r], d] = T.Cast(spec.dtype, o_r(d))
-                    else:
-                        LSE[vb, rix[0, r], vs, rix[1, r]] = lse_r
-                        for d in T.vectorized(D):
-                            O[vb, rix[0, r], vs, rix[1, r], d] = o_r(d)
+                    store_row(O, O_FINAL, LSE, LSE_FINAL, S, vb, vs, rix[0, r], rix[1, r], lse_r, o_r, D, spec.dtype)
 
     return dec.with_attr("global_symbol", name)

@@ -174,6 +174,42 @@ def key_positions(where, slot, cache, b, k0, clamp, block_k):
                 "int32", clamp(k0 + g * PAGE_ALIGN + j) - clamp(k0 + g * PAGE_ALIGN))
 
 
+def task_regions(Q, K, V, outputs, cache, shape: Shape, b, split, hk, head_dim: int):
+    """(reads, writes) of the task of (b, split, hk): its query heads' q and the keys it may read;
+    their partial and final outputs (`outputs`: O, O_FINAL, LSE, LSE_FINAL)."""
+    G, LQ, D = shape.heads // shape.heads_k, shape.seqlen_q, head_dim
+    heads = slice(hk * G, hk * G + G)
+    O, O_FINAL, LSE, LSE_FINAL = outputs
+    reads = [Q[b, heads, 0:LQ, 0:D], task_keys(K, cache, shape, b, hk, D), task_keys(V, cache, shape, b, hk, D)]
+    writes = [O[b, heads, split, 0:LQ, 0:D], LSE[b, heads, split, 0:LQ], O_FINAL[b, heads, 0:LQ, 0:D],
+              LSE_FINAL[b, heads, 0:LQ]]
+    return reads, writes
+
+
+@T.macro
+def prefetch_keys(K, V, cache, where, next_slot, slot, b, hk, k0, pk0, j, head_dim, seqlen_k, line):
+    """Key row j of the next block (from k0, positions in `where[next_slot]`) and value row j of
+    the block being computed (from pk0, `where[slot]`) into L2, `line` elements a cache line."""
+    for ln in T.serial((head_dim + line - 1) // line):
+        T.evaluate(prefetch_l2(key_element(K, cache, where, next_slot, b, hk, k0, j, ln * line, seqlen_k)))
+        T.evaluate(prefetch_l2(key_element(V, cache, where, slot, b, hk, pk0, j, ln * line, seqlen_k)))
+
+
+@T.macro
+def store_row(O, O_FINAL, LSE, LSE_FINAL, splits, b, split, head, q_idx, lse_value, o_value, head_dim, dtype):
+    """A task's row: the final O (in `dtype`) and lse where there is one split (nothing to merge:
+    a launch and ~20 us saved), else the split's fp32 partials; `o_value(d)` is O's dim d. (The
+    outputs come one by one: a tuple unpacked in a macro renames the buffers.)"""
+    if splits == 1:
+        LSE_FINAL[b, head, q_idx] = lse_value
+        for d in T.vectorized(head_dim):
+            O_FINAL[b, head, q_idx, d] = T.Cast(dtype, o_value(d))
+    else:
+        LSE[b, head, split, q_idx] = lse_value
+        for d in T.vectorized(head_dim):
+            O[b, head, split, q_idx, d] = o_value(d)
+
+
 def _fold_pairs(a, b, width: int):
     """Two 16-lane vectors holding keys in groups of `width` lanes as one holding their keys in
     groups of width / 2: each key's two halves added (a's keys first)."""
@@ -294,10 +330,10 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                 vs = T.axis.spatial(S, t // (HK * NRB) % S)
                 vhk = T.axis.spatial(HK, t // NRB % HK)
                 vrb = T.axis.spatial(NRB, t % NRB)
-                T.reads(Q[vb, vhk * G:vhk * G + G, 0:LQ, 0:D], task_keys(K, cache, shape, vb, vhk, D),
-                        task_keys(V, cache, shape, vb, vhk, D))
-                T.writes(O[vb, vhk * G:vhk * G + G, vs, 0:LQ, 0:D], LSE[vb, vhk * G:vhk * G + G, vs, 0:LQ],
-                         O_FINAL[vb, vhk * G:vhk * G + G, 0:LQ, 0:D], LSE_FINAL[vb, vhk * G:vhk * G + G, 0:LQ])
+                reads, writes = T.meta_var(task_regions(Q, K, V, (O, O_FINAL, LSE, LSE_FINAL), cache, shape,
+                                                        vb, vs, vhk, D))
+                T.reads(reads)
+                T.writes(writes)
                 qs = T.sblock_alloc_buffer((RB, D), F32)
                 acc = T.sblock_alloc_buffer((RB, D), F32)
                 row_f32 = T.sblock_alloc_buffer((D,), F32)  # the key (or value) row being used
@@ -332,9 +368,7 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                         for jg in T.serial(BK // LANES):  # scores of 16 keys: q . k as per-lane products
                             for jj in T.serial(LANES):
                                 j = T.meta_var(jg * LANES + jj)
-                                for ln in T.serial((D + LINE - 1) // LINE):  # the next block's K, this one's V
-                                    T.evaluate(prefetch_l2(key_element(K, cache, where, kb % 2, vb, vhk, k0, j, ln * LINE, LK)))
-                                    T.evaluate(prefetch_l2(key_element(V, cache, where, slot, vb, vhk, pk0, j, ln * LINE, LK)))
+                                prefetch_keys(K, V, cache, where, kb % 2, slot, vb, vhk, k0, pk0, j, D, LK, LINE)
                                 if PAIRED:
                                     for c in T.serial(D // PAIR_CHUNK):
                                         store_paired_row(row_f32, 0, c, key_element(
@@ -386,14 +420,8 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                     lse_r = T.meta_var(T.Select(st[r, 1] == T.float32(0), NEG_INF, st[r, 0] + T.log(st[r, 1])))
                     o_r = T.meta_var(lambda d: T.Select(st[r, 1] == T.float32(0), T.float32(0), acc[r, slot_of(d)] / st[r, 1]))
                     if vrb * RB + r < G * LQ:  # a short last block's repeated rows are not stored
-                        if S == 1:  # the final outputs: nothing to merge (a launch and ~20 us saved)
-                            LSE_FINAL[vb, rix[r, 0], rix[r, 1]] = lse_r
-                            for d in T.vectorized(D):
-                                O_FINAL[vb, rix[r, 0], rix[r, 1], d] = T.Cast(spec.dtype, o_r(d))
-                        else:
-                            LSE[vb, rix[r, 0], vs, rix[r, 1]] = lse_r
-                            for d in T.vectorized(D):
-                                O[vb, rix[r, 0], vs, rix[r, 1], d] = o_r(d)
+                        store_row(O, O_FINAL, LSE, LSE_FINAL, S, vb, vs, rix[r, 0], rix[r, 1], lse_r, o_r, D,
+                                  spec.dtype)
 
     return fwd.with_attr("global_symbol", "forward_split")
 
