@@ -14,6 +14,7 @@ from tvm.script.ir_builder import tirx as irb
 
 from .. import rng
 from ..kernels.common import F32
+from ..kernels.decode import PairDot
 from ..kernels.dropout import philox_ops
 
 BF16 = "bfloat16"
@@ -37,6 +38,28 @@ def bf16_row(lo, hi):
     """32 consecutive fp32 values (two fp32x16 vectors) as 32 bf16 in order: 16 words of a
     row-major bf16 A operand."""
     return tirx.reinterpret("uint32x16", _to_bf16(lo, hi))
+
+
+# vdpbf16ps (avx512_bf16) takes <32 x bfloat> operands, which TIR cannot spell (its bf16 vectors
+# are legalised to fp32 or passed as i16): an IR helper takes the words, LLVM inlines it
+_DPBF16_IR = """define <16 x float> @tvmflash_dpbf16(<16 x float> %acc, <16 x i32> %a, <16 x i32> %b) #0 {
+  %x = bitcast <16 x i32> %a to <32 x bfloat>
+  %y = bitcast <16 x i32> %b to <32 x bfloat>
+  %r = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %acc, <32 x bfloat> %x, <32 x bfloat> %y)
+  ret <16 x float> %r
+}
+declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
+attributes #0 = { alwaysinline nounwind "target-features"="+avx512f,+avx512bf16" }
+"""
+
+
+def _dpbf16(acc, a, b):
+    return tirx.call_pure_extern("float32x16", "tvmflash_dpbf16", acc, tirx.reinterpret("int32x16", a),
+                                 tirx.reinterpret("int32x16", b))
+
+
+# the split-KV decode's bf16 pair products (kernels/decode.py) on avx512_bf16
+PAIR_DOT = PairDot(dot=_dpbf16, pack=bf16_row, llvm_ir=_DPBF16_IR)
 
 
 _INTERLEAVE = [x for m in range(16) for x in (m, m + 16)]

@@ -33,7 +33,7 @@ from tvm.script import tirx as T
 
 from ..kernels.common import F32, LOG2E, NEG_INF, Shape, fast_exp
 from ..kernels.decode import (declare_split_args, key_element, key_positions, prefetch_keys, sequence, split_blocks,
-                              store_row, task_regions)
+                              store_row, task_regions, value_pairs)
 from ..kernels.score_mods import ScoreIndex
 from ..spec import AttentionSpec
 from .amx import PAIR, TILE, amx, bf16_row, column_16, configure_tiles, exp2_16, gather_16, release_tiles, row_bytes, tmm
@@ -46,19 +46,6 @@ assert ROWS == TILE and BLOCK_K == 64
 LINE = 32  # bf16 elements of a 64-byte cache line
 
 _LANES = tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), ROWS)
-_PAIRS_LO = [tirx.const(i // 2 + (i % 2) * 32, "int32") for i in range(32)]  # keys j, j + 1 of dims 0..15
-_PAIRS_HI = [tirx.const(16 + i // 2 + (i % 2) * 32, "int32") for i in range(32)]  # of dims 16..31
-
-
-def _bits(element_load):
-    """The bits of a 32-lane bf16 load as uint16x32 (a bf16 vector would be legalised to fp32)."""
-    return tirx.reinterpret("uint16x32", element_load)
-
-
-def key_pairs(first, second):
-    """Two keys' 32 bf16 of the same dims (uint16x32 each) as two uint32x16 rows of VNNI
-    pairs, (k_j[d], k_j+1[d]) for dims 0..15, then 16..31: one permute each."""
-    return [tirx.reinterpret("uint32x16", tirx.Shuffle([first, second], picks)) for picks in (_PAIRS_LO, _PAIRS_HI)]
 
 
 def decode_amx_kernel(spec: AttentionSpec, name: str = "forward_split") -> tirx.PrimFunc:
@@ -84,11 +71,6 @@ def decode_amx_kernel(spec: AttentionSpec, name: str = "forward_split") -> tirx.
             return inside, lambda d: T.address_of(K[tirx.Cast("int64", cache.page(b, pos)),
                                                      tirx.Cast("int64", cache.row(pos)), hk, d])
         return k0 + 16 <= LK, lambda d: T.address_of(K[b, hk, k0, d])
-
-    def value_pairs(V, cache, where, slot, b, hk, k0, p, c):
-        """Keys 2p, 2p + 1 of the block from k0, dims 32c.., as `key_pairs`."""
-        dims = tirx.Ramp(tirx.Cast("int64", c * 32), tirx.const(1, "int64"), 32)
-        return key_pairs(*(_bits(key_element(V, cache, where, slot, b, hk, k0, p * 2 + e, dims, LK)) for e in range(2)))
 
     @T.prim_func(s_tir=True)
     def dec():
@@ -202,7 +184,7 @@ def decode_amx_kernel(spec: AttentionSpec, name: str = "forward_split") -> tirx.
                             pa[r, T.Ramp(c * 16, 1, 16)] = bf16_row(column_16(sT, [c * 32, r], RB * 4),
                                                                     column_16(sT, [c * 32 + 16, r], RB * 4))
                         for p, c in T.grid(BK // 2, D // 32):  # V's key pairs (clamped rows)
-                            lo, hi = T.meta_var(value_pairs(V, cache, where, slot, vb, vhk, pk0, p, c))
+                            lo, hi = T.meta_var(value_pairs(V, cache, where, slot, vb, vhk, pk0, p, c, LK))
                             vp[p, T.Ramp(c * 32, 1, 16)] = lo
                             vp[p, T.Ramp(c * 32 + 16, 1, 16)] = hi
                         # O += P . V, OT C tiles of 16 dims at a time; P in tmm4, V in tmm6 / tmm7

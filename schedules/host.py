@@ -65,8 +65,9 @@ def block_names(sch) -> list[str]:
     return names
 
 
-def kernels(spec, target: dict, knobs: dict) -> dict:
-    """Name -> PrimFunc of every kernel of `spec`'s module (the generic s_tir kernels)."""
+def kernels(spec, target: dict, knobs: dict, pair_dot=None) -> dict:
+    """Name -> PrimFunc of every kernel of `spec`'s module (the generic s_tir kernels; the
+    split-KV forward with the target's bf16 pair products, `pair_dot`, where it has them)."""
     from ..kernels.backward import backward_delta_kernel, backward_dkdv_kernel, backward_dq_kernel
     from ..kernels.decode import forward_combine_kernel, forward_split_kernel
     from ..kernels.forward import forward_kernel
@@ -76,8 +77,8 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
         query row, MHA decode, which 4 rows would compute 4 times) and its combine kernel."""
         value_cols = SPLIT_VALUE_COLS[vector_length(target)]
         return {f"{prefix}{suffix}": kernel.with_attr("global_symbol", f"{prefix}{suffix}") for suffix, kernel in (
-            ("", forward_split_kernel(spec, SPLIT_BLOCK_ROWS, SPLIT_BLOCK_K, value_cols)),
-            ("_row", forward_split_kernel(spec, 1, SPLIT_BLOCK_K, value_cols)),
+            ("", forward_split_kernel(spec, SPLIT_BLOCK_ROWS, SPLIT_BLOCK_K, value_cols, pair_dot)),
+            ("_row", forward_split_kernel(spec, 1, SPLIT_BLOCK_K, value_cols, pair_dot)),
             ("_combine", forward_combine_kernel(spec)))}
 
     if spec.kv_cache:  # flash_attn_with_kvcache's decode: the split-KV forward on the cache

@@ -114,18 +114,21 @@ def test_asm_fp32_and_fp16_run_on_zmm_fmas(dtype):
         assert "tdpbf16ps" not in asm[name]
 
 
-def test_asm_decode_prefetches_rows_on_fmas_and_tiles():
+def test_asm_decode_prefetches_rows_on_pair_dots_and_tiles():
     """The bf16 cache decode kernels prefetch their K / V rows into L2 (prefetcht1: a kv-head's
     rows lie at a stride the hardware prefetchers do not follow); the 4-row and one-row kernels
-    compute on zmm FMAs, the kernels for more rows a kv-head (`*_tiles`, also the dense
-    split-KV forward's) on AMX tiles."""
+    take bf16 pairs on `vdpbf16ps` (V's rows of two keys interleaved by `vpermt2w`, P packed by
+    `vcvtne2ps2bf16`), the kernels for more rows a kv-head (`*_tiles`, also the dense split-KV
+    forward's) AMX tiles."""
     from dataclasses import replace
 
     asm = spr_asm(replace(AttentionSpec("bfloat16", 128), kv_cache=True))
     for name in ("decode", "decode_tiles"):
         assert asm[name].count("prefetcht1") >= 8, name
-    assert asm["decode"].count("vfmadd231ps\t%zmm") >= 32 and "tdpbf16ps" not in asm["decode"]
-    assert asm["decode_row"].count("vfmadd231ps\t%zmm") >= 8 and "tdpbf16ps" not in asm["decode_row"]
+    for name, products in (("decode", 32), ("decode_row", 8)):  # 16 a key / two keys of 4 rows, 4 of one row
+        body = asm[name]
+        assert body.count("vdpbf16ps") >= products and "vpermt2w" in body and "vcvtne2ps2bf16" in body, name
+        assert "tdpbf16ps" not in body, name
     assert asm["decode_tiles"].count("tdpbf16ps") >= 8 and "vpermt2w" in asm["decode_tiles"]
     assert spr_asm(AttentionSpec("bfloat16", 64, causal="bottom_right"))["forward_split_tiles"].count("tdpbf16ps") >= 4
 

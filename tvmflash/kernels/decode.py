@@ -15,7 +15,10 @@ their own row sums and their lse, in fp32. Measured on the Xeon (bf16 B=16 H=32 
 query, 16 threads): at 1k keys the compute is most of the time (a table whose pages are all
 one page, so nothing comes from memory, ran 0.57 ms against 0.73 ms on real pages); the lane
 sum tree and the paired conversion together made it 1.05-1.08x faster at 1k, 1.04-1.18x at
-4k-16k. (bf16 kv-heads of more than 4 rows run on AMX tiles: schedules/amx_decode.py.)
+4k-16k. Where the target multiplies bf16 pairs (`PairDot`: avx512_bf16's `vdpbf16ps`, given by
+schedules/avx512.py) both products take the bf16 rows as they lie, 32 dims an instruction, with
+no conversion (on the dev box's Zen 5 cores, compute only: 1.41-1.78x faster). (bf16 kv-heads of
+more than 4 rows run on AMX tiles: schedules/amx_decode.py.)
 
 `forward_combine`: lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse) O_s; a query no
 split saw gets O = 0, lse = -inf, as from the one-pass forward.
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import tvm
 from tvm import tirx
@@ -210,6 +214,42 @@ def store_row(O, O_FINAL, LSE, LSE_FINAL, splits, b, split, head, q_idx, lse_val
             O[b, head, split, q_idx, d] = o_value(d)
 
 
+@dataclass(frozen=True)
+class PairDot:
+    """A target's bf16 pair products (x86 avx512_bf16: `vdpbf16ps`, schedules/amx.py), which the
+    split-KV forward takes for bf16 in place of widening to fp32 and FMAs: `dot(acc, a, b)` =
+    acc + a[2i] b[2i] + a[2i + 1] b[2i + 1] in lane i (acc fp32x16; a, b uint32x16 words, each
+    two bf16, the even element in the low half); `pack(lo, hi)`: 32 fp32 (two fp32x16) as 16
+    such words, rounded to nearest even; `llvm_ir`: what those calls need imported into the
+    module (a loop annotation)."""
+
+    dot: Callable
+    pack: Callable
+    llvm_ir: str
+
+
+def words(chunk):
+    """32 bf16 (a vector load) as 16 uint32 words of element pairs (a bf16 vector would be
+    legalised to fp32)."""
+    return tirx.reinterpret("uint32x16", tirx.reinterpret("uint16x32", chunk))
+
+
+_PAIRS_LO = [tirx.const(i // 2 + (i % 2) * 32, "int32") for i in range(32)]  # keys j, j + 1 of dims 0..15
+_PAIRS_HI = [tirx.const(16 + i // 2 + (i % 2) * 32, "int32") for i in range(32)]  # of dims 16..31
+
+
+def key_pairs(first, second):
+    """Two keys' 32 bf16 of the same dims (uint16x32 each) as two uint32x16 rows of pairs,
+    (k_j[d], k_j+1[d]) for dims 0..15, then 16..31: one permute each."""
+    return [tirx.reinterpret("uint32x16", tirx.Shuffle([first, second], picks)) for picks in (_PAIRS_LO, _PAIRS_HI)]
+
+
+def value_pairs(V, cache, where, slot, b, hk, k0, p, c, seqlen_k):
+    """Keys 2p, 2p + 1 of the block from k0 (`key_element`), dims 32c..32c + 31, as `key_pairs`."""
+    return key_pairs(*(tirx.reinterpret("uint16x32", key_element(V, cache, where, slot, b, hk, k0, p * 2 + e,
+                                                                  chunk_lanes(c), seqlen_k)) for e in range(2)))
+
+
 def _fold_pairs(a, b, width: int):
     """Two 16-lane vectors holding keys in groups of `width` lanes as one holding their keys in
     groups of width / 2: each key's two halves added (a's keys first)."""
@@ -220,16 +260,18 @@ def _fold_pairs(a, b, width: int):
     return tirx.Shuffle([a, b], picks[0]) + tirx.Shuffle([a, b], picks[1])
 
 
-def store_lane_sums(dst, index: list, vectors: list) -> None:
-    """dst[*index[:-1], index[-1] + j] = the sum of the 16 lanes of vectors[j], j < 16, by a
-    tree of shuffles and adds (30 shuffles and 15 adds for 16 sums, where a horizontal sum takes
-    about 8 instructions each). Emits its bindings into the statement being built."""
+def store_lane_sums(dst, index: list, vectors: list, factor=None) -> None:
+    """dst[*index[:-1], index[-1] + j] = the sum of the 16 lanes of vectors[j], j < 16 (times
+    `factor` if given), by a tree of shuffles and adds (30 shuffles and 15 adds for 16 sums,
+    where a horizontal sum takes about 8 instructions each). Emits its bindings into the
+    statement being built."""
     width = LANES
     while len(vectors) > 1:
         vectors = [irb.bind(_fold_pairs(a, b, width)) for a, b in zip(vectors[0::2], vectors[1::2])]
         width //= 2
     *prefix, c0 = index
-    irb.buffer_store(dst, vectors[0], [*prefix, tirx.Ramp(c0, 1, LANES)])
+    sums = vectors[0] if factor is None else vectors[0] * tirx.Broadcast(factor, LANES)
+    irb.buffer_store(dst, sums, [*prefix, tirx.Ramp(c0, 1, LANES)])
 
 
 PAIR_CHUNK = 32  # bf16 elements converted at once by `store_paired_row`
@@ -263,8 +305,18 @@ def store_paired_row(dst, base, c, chunk):
     irb.buffer_store(dst, odd, [tirx.Ramp(start + 16, 1, 16)])
 
 
+def pair_dot_sum(pair_dot: PairDot, a, r, b, chunks: int):
+    """sum over c < chunks of pair_dot.dot(a[r, 16c : 16c + 16], b[16c : 16c + 16]): a row's 16-lane
+    products of pairs (its lane sums are its dot product with b)."""
+    acc = tirx.Broadcast(tirx.const(0, F32), LANES)
+    for c in range(chunks):
+        lanes = tirx.Ramp(tirx.const(c * LANES, "int32"), tirx.const(1, "int32"), LANES)
+        acc = pair_dot.dot(acc, tirx.BufferLoad(a, [r, lanes]), tirx.BufferLoad(b, [lanes]))
+    return acc
+
+
 def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int = 64,
-                         value_cols: int = 64) -> tirx.PrimFunc:
+                         value_cols: int = 64, pair_dot: PairDot | None = None) -> tirx.PrimFunc:
     """Tasks over (batch, split, kv-head, block of `block_rows` query rows), in that order (a
     thread runs a contiguous range of tasks: the kv-heads of one split's keys, which share
     pages). The rows of a kv-head are its query heads' queries (G x Lq for GQA). A task
@@ -272,14 +324,20 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
     are not stored): no branches in the loops over keys, so LLVM keeps the rows' q in registers
     for the scores and their O columns in registers while a pass over the block's values adds
     p_j V_j to `value_cols` of them (block_rows x value_cols fp32). A kv_cache spec reads its
-    cache in place (declare_decode_args)."""
+    cache in place (declare_decode_args). With `pair_dot` (bf16, head dims a multiple of 32)
+    both products take bf16 pairs as they lie: q . k 32 dims an instruction (q unscaled: the
+    scale goes to the scores), P V two keys an instruction (P rounded to bf16 as for a bf16
+    matmul, V's rows of two keys interleaved by `key_pairs`)."""
     D, RB, BK = spec.head_dim, block_rows, block_k
     DV = math.gcd(D, value_cols)  # columns of O a value pass keeps in registers
     VL = LANES if D % LANES == 0 else 1  # head dims that are not multiples of 16: scalar lanes
-    # bf16 rows converted 32 elements at a time into their even and odd elements (a shift and a
-    # mask of the 32-bit words, two instructions where widening takes four); q and O's columns
+    WORDS = (pair_dot is not None and spec.dtype == "bfloat16" and VL == LANES and D % PAIR_CHUNK == 0
+             and DV % PAIR_CHUNK == 0)  # products on bf16 pairs (pair_dot)
+    # else bf16 rows converted 32 elements at a time into their even and odd elements (a shift and
+    # a mask of the 32-bit words, two instructions where widening takes four); q and O's columns
     # then lie in that order (`paired_dim`), O is put back in order when it is stored
-    PAIRED = spec.dtype == "bfloat16" and VL == LANES and D % PAIR_CHUNK == 0 and DV % PAIR_CHUNK == 0
+    PAIRED = (not WORDS and spec.dtype == "bfloat16" and VL == LANES and D % PAIR_CHUNK == 0
+              and DV % PAIR_CHUNK == 0)
     dim_of = paired_dim if PAIRED else (lambda d: d)  # the head dim held at position d
     slot_of = paired_slot if PAIRED else (lambda d: d)  # the position of head dim d
     shape = Shape.fresh()
@@ -287,6 +345,7 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
     S = tirx.Var("splits", "int64")
     cached = spec.kv_cache
     LINE = 512 // tvm.runtime.DataType(spec.dtype).bits  # elements of a 64-byte cache line
+    KEY_LOOP = {"pragma_import_llvm": pair_dot.llvm_ir} if WORDS else None
 
     def add(a, b):
         return a + b
@@ -317,6 +376,13 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
         """Row r's 16 vectors of per-lane products (one a key)."""
         return [tirx.BufferLoad(prod, [r, tirx.const(x, "int32"), tirx.Ramp(0, 1, LANES)]) for x in range(LANES)]
 
+    def score_factor(scale):
+        """What the lane sums are multiplied by: q's bf16 pairs are not pre-scaled."""
+        return scale if WORDS else None
+
+    def lanes(start):
+        return tirx.Ramp(start, 1, LANES)
+
     @T.prim_func(s_tir=True)
     def fwd():
         T.func_attr({"tirx.noalias": True})
@@ -334,9 +400,13 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                                                         vb, vs, vhk, D))
                 T.reads(reads)
                 T.writes(writes)
-                qs = T.sblock_alloc_buffer((RB, D), F32)
+                # the rows' q: fp32, pre-scaled; or (WORDS) their bf16 pairs
+                qs = T.sblock_alloc_buffer((RB, D // 2) if WORDS else (RB, D), "uint32" if WORDS else F32)
                 acc = T.sblock_alloc_buffer((RB, D), F32)
                 row_f32 = T.sblock_alloc_buffer((D,), F32)  # the key (or value) row being used
+                # WORDS: a key row's pairs, or two value rows' (key_pairs); P's pairs per row
+                row_words = T.sblock_alloc_buffer((D if WORDS else 1,), "uint32")
+                p_words = T.sblock_alloc_buffer((RB, BK // 2) if WORDS else (1, 1), "uint32")
                 part = T.sblock_alloc_buffer((LANES,), F32)  # lanes of a reduction
                 # per row: 16 keys' per-lane products (their lane sums are the scores)
                 prod = T.sblock_alloc_buffer((RB, LANES, LANES) if VL == LANES else (1, 1, 1), F32)
@@ -353,12 +423,17 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                 for r in T.serial(RB):
                     rix[r, 0] = vhk * G + row(r) // LQ
                     rix[r, 1] = row(r) % LQ
+                    if WORDS:
+                        for c in T.serial(D // PAIR_CHUNK):
+                            qs[r, lanes(c * LANES)] = words(Q[vb, rix[r, 0], rix[r, 1], chunk_lanes(c)])
                     for d in T.vectorized(D):
-                        qs[r, d] = T.Cast(F32, Q[vb, rix[r, 0], rix[r, 1], dim_of(d)]) * scale
+                        if not WORDS:
+                            qs[r, d] = T.Cast(F32, Q[vb, rix[r, 0], rix[r, 1], dim_of(d)]) * scale
                         acc[r, d] = T.float32(0)
                     st[r, 0] = T.min_value(F32)
                     st[r, 1] = T.float32(0)
-                for kb in T.serial(kb_lo, kb_hi + 1):  # block kb_hi: only its page lookup (prefetch)
+                # block kb_hi: only its page lookup (prefetch)
+                for kb in T.serial(kb_lo, kb_hi + 1, annotations=KEY_LOOP):
                     k0 = T.meta_var(kb * BK)
                     if cached:
                         key_positions(where, kb % 2, cache, vb, k0, clamp, BK)
@@ -369,7 +444,11 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                             for jj in T.serial(LANES):
                                 j = T.meta_var(jg * LANES + jj)
                                 prefetch_keys(K, V, cache, where, kb % 2, slot, vb, vhk, k0, pk0, j, D, LK, LINE)
-                                if PAIRED:
+                                if WORDS:
+                                    for c in T.serial(D // PAIR_CHUNK):
+                                        row_words[lanes(c * LANES)] = words(key_element(
+                                            K, cache, where, slot, vb, vhk, pk0, j, chunk_lanes(c), LK))
+                                elif PAIRED:
                                     for c in T.serial(D // PAIR_CHUNK):
                                         store_paired_row(row_f32, 0, c, key_element(
                                             K, cache, where, slot, vb, vhk, pk0, j, chunk_lanes(c), LK))
@@ -377,7 +456,9 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                                     for d in T.vectorized(D):
                                         row_f32[d] = T.Cast(F32, key_element(K, cache, where, slot, vb, vhk, pk0, j, d, LK))
                                 for r in T.unroll(RB):
-                                    if VL == LANES:  # the 16 keys' lanes are summed together below
+                                    if WORDS:
+                                        prod[r, jj, lanes(0)] = pair_dot_sum(pair_dot, qs, r, row_words, D // PAIR_CHUNK)
+                                    elif VL == LANES:  # the 16 keys' lanes are summed together below
                                         for c in T.vectorized(VL):
                                             prod[r, jj, c] = qs[r, c] * row_f32[c]
                                         for dc in T.serial(1, D // VL):
@@ -389,7 +470,7 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                                             s[r, j] = s[r, j] + qs[r, d] * row_f32[d]
                             for r in T.serial(RB):
                                 if VL == LANES:
-                                    store_lane_sums(s, [r, jg * LANES], products_of(prod, r))
+                                    store_lane_sums(s, [r, jg * LANES], products_of(prod, r), score_factor(scale))
                                 for x in T.vectorized(LANES):
                                     s[r, jg * LANES + x] = score(s[r, jg * LANES + x], ScoreIndex(
                                         vb, rix[r, 0], rix[r, 1], pk0 + jg * LANES + x - first_key))
@@ -404,18 +485,35 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                                 s[r, j] = fast_exp(s[r, j] - st[r, 0])
                             fold_scores(part, s, r, add)
                             st[r, 1] = st[r, 1] + four(part, add)  # plus the block's sum
+                            if WORDS:  # P's pairs (keys 2i, 2i + 1) for the value pass
+                                for c in T.serial(BK // PAIR_CHUNK):
+                                    p_words[r, lanes(c * LANES)] = pair_dot.pack(
+                                        s[r, lanes(c * PAIR_CHUNK)], s[r, lanes(c * PAIR_CHUNK + LANES)])
                         for dv in T.serial(D // DV):  # O += p_j V_j (padded keys have p = 0)
-                            for j in T.serial(BK):
-                                if PAIRED:
+                            if WORDS:
+                                for jp in T.serial(BK // 2):  # two keys a pass
                                     for c in T.serial(DV // PAIR_CHUNK):
-                                        store_paired_row(row_f32, 0, c, key_element(
-                                            V, cache, where, slot, vb, vhk, pk0, j, chunk_lanes(dv * (DV // PAIR_CHUNK) + c), LK))
-                                else:
-                                    for d in T.vectorized(DV):
-                                        row_f32[d] = T.Cast(F32, key_element(V, cache, where, slot, vb, vhk, pk0, j, dv * DV + d, LK))
-                                for r in T.unroll(RB):
-                                    for d in T.vectorized(DV):
-                                        acc[r, dv * DV + d] = acc[r, dv * DV + d] + s[r, j] * row_f32[d]
+                                        pair_lo, pair_hi = T.meta_var(value_pairs(
+                                            V, cache, where, slot, vb, vhk, pk0, jp, dv * (DV // PAIR_CHUNK) + c, LK))
+                                        row_words[lanes(c * PAIR_CHUNK)] = pair_lo
+                                        row_words[lanes(c * PAIR_CHUNK + LANES)] = pair_hi
+                                    for r in T.unroll(RB):
+                                        for m in T.unroll(DV // LANES):
+                                            acc[r, lanes(dv * DV + m * LANES)] = pair_dot.dot(
+                                                acc[r, lanes(dv * DV + m * LANES)],
+                                                T.Broadcast(p_words[r, jp], LANES), row_words[lanes(m * LANES)])
+                            else:
+                                for j in T.serial(BK):
+                                    if PAIRED:
+                                        for c in T.serial(DV // PAIR_CHUNK):
+                                            store_paired_row(row_f32, 0, c, key_element(
+                                                V, cache, where, slot, vb, vhk, pk0, j, chunk_lanes(dv * (DV // PAIR_CHUNK) + c), LK))
+                                    else:
+                                        for d in T.vectorized(DV):
+                                            row_f32[d] = T.Cast(F32, key_element(V, cache, where, slot, vb, vhk, pk0, j, dv * DV + d, LK))
+                                    for r in T.unroll(RB):
+                                        for d in T.vectorized(DV):
+                                            acc[r, dv * DV + d] = acc[r, dv * DV + d] + s[r, j] * row_f32[d]
                 for r in T.serial(RB):
                     lse_r = T.meta_var(T.Select(st[r, 1] == T.float32(0), NEG_INF, st[r, 0] + T.log(st[r, 1])))
                     o_r = T.meta_var(lambda d: T.Select(st[r, 1] == T.float32(0), T.float32(0), acc[r, slot_of(d)] / st[r, 1]))
