@@ -26,6 +26,11 @@ SPLIT_TASK_KEYS = 2048  # automatic splits: at most this many keys a task (Xeon,
 # O columns a value pass of the split-KV forward keeps in registers, per fp32 lanes of the
 # target: 4 rows x 4 zmm of 32 registers, 4 rows x 2 ymm of 16
 SPLIT_VALUE_COLS = {16: 64, 8: 16}
+# the one-row kernel's: 8 zmm / 4 ymm, as many independent accumulators as the 4-row kernel's
+# half (each value row adds to every one of them, so fewer would wait on their own latency:
+# dev box (Zen 5), D = 128, compute only: bf16 on vdpbf16ps 1.11-1.21x faster than 4 zmm, fp16
+# on FMAs 1.14-1.22x; bf16 on real pages, 2 threads, 1.05-1.13x)
+SPLIT_ROW_VALUE_COLS = {16: 128, 8: 32}
 
 RULES = {
     # transposing loads and per-query reductions over S^T tiles
@@ -75,10 +80,10 @@ def kernels(spec, target: dict, knobs: dict, pair_dot=None) -> dict:
     def split_kernels(prefix: str) -> dict:
         """The split-KV forward (4 query rows a task; `_row`: one, for a kv-head with a single
         query row, MHA decode, which 4 rows would compute 4 times) and its combine kernel."""
-        value_cols = SPLIT_VALUE_COLS[vector_length(target)]
+        lanes = vector_length(target)
         return {f"{prefix}{suffix}": kernel.with_attr("global_symbol", f"{prefix}{suffix}") for suffix, kernel in (
-            ("", forward_split_kernel(spec, SPLIT_BLOCK_ROWS, SPLIT_BLOCK_K, value_cols, pair_dot)),
-            ("_row", forward_split_kernel(spec, 1, SPLIT_BLOCK_K, value_cols, pair_dot)),
+            ("", forward_split_kernel(spec, SPLIT_BLOCK_ROWS, SPLIT_BLOCK_K, SPLIT_VALUE_COLS[lanes], pair_dot)),
+            ("_row", forward_split_kernel(spec, 1, SPLIT_BLOCK_K, SPLIT_ROW_VALUE_COLS[lanes], pair_dot)),
             ("_combine", forward_combine_kernel(spec)))}
 
     if spec.kv_cache:  # flash_attn_with_kvcache's decode: the split-KV forward on the cache
