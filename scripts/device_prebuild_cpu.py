@@ -2,7 +2,8 @@
 .devcache/cpu/ (or $TVMFLASH_CACHE_DIR), on any machine with the TVM compiler, so the GPU
 machine's Xeon needs only TVM's runtime: the specs of tests/test_avx512.py and of the benchmark.
 
-    python scripts/device_prebuild_cpu.py    # one build process a core (TVMFLASH_PREBUILD_JOBS=N)
+    python scripts/device_prebuild_cpu.py          # one build process a core (TVMFLASH_PREBUILD_JOBS=N)
+    python scripts/device_prebuild_cpu.py decode   # only scripts/decode_bench.py's (about a minute)
 """
 import os
 import sys
@@ -31,6 +32,10 @@ specs |= bench_variant_specs()  # scripts/variants_bench.py on the Xeon
 from decode_bench import specs as decode_bench_specs  # noqa: E402
 
 specs |= decode_bench_specs()  # scripts/decode_bench.py on the Xeon (flash_attn_with_kvcache)
+if sys.argv[1:] == ["decode"]:
+    specs = decode_bench_specs()
+elif sys.argv[1:]:
+    sys.exit(f"usage: {sys.argv[0]} [decode]")
 start = time.time()
 build.build_many(specs, build.AVX512_TARGET)
 torch_thread_launcher(str(build.cache_dir()))  # the OpenMP launcher too (the Xeon may lack a C compiler)
