@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tvmflash
+from tvmflash.cpu import cpu_flags
 from tvmflash.reference import attention
 from test_attention import FLOOR
 
@@ -159,6 +160,33 @@ def test_kvcache_decode_odd_groups_and_head_dims():
                   lengths=(2050, 3, 700))
     check_kvcache("paged16", False, (-1, -1), None, 1, 0, heads=(3, 3), d=80, capacity=2100,
                   lengths=(2050, 3, 700))
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (3, 3)])
+def test_kvcache_bf16_decode(heads):
+    """bf16 decode (Lq = 1) with a head dim of 128 over thousands of keys in pages of 16: the
+    4-row kernel (4 query heads a kv-head) and the one-row kernel (MHA), whose bf16 products
+    run on this CPU's pair products where it has them (avx512_bf16: `vdpbf16ps`, P rounded to
+    bf16), else on fp32 FMAs."""
+    check_kvcache("paged16", False, (-1, -1), None, 1, 0, dtype=torch.bfloat16, heads=heads, d=128, capacity=2100,
+                  lengths=(2050, 3, 700))
+
+
+@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="runs an AVX512 module")
+def test_kvcache_bf16_decode_without_pair_products(monkeypatch):
+    """bf16 decode on an AVX512 CPU without avx512_bf16 (Ice Lake): the FMA kernels, their bf16
+    rows converted into even and odd elements (`decode.store_paired_row`)."""
+    from tvmflash import build, ops
+
+    icelake = {"kind": "llvm", "mcpu": "icelake-server", "num-cores": 2}
+    monkeypatch.setenv("TVMFLASH_CPU_TARGET", "host")
+    monkeypatch.setattr(build, "host_target", lambda: icelake)
+    monkeypatch.setattr(ops, "_loaded", {})  # kernels are kept per CPU target choice, not per CPU model
+    monkeypatch.setattr(ops, "_decode_plans", {})
+    for heads in ((8, 2), (3, 3)):
+        check_kvcache("paged16", False, (-1, -1), None, 1, 0, dtype=torch.bfloat16, heads=heads, d=128,
+                      capacity=2100, lengths=(2050, 3, 700))
+    assert ops._loaded and all(kernels is build.load_cached(spec, icelake) for (spec, _, _), kernels in ops._loaded.items())
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged16"])
