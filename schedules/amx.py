@@ -1,5 +1,6 @@
 """Building blocks of the AMX kernels (`amx_forward.py`, `amx_backward.py`): tile configuration,
-the tile GEMM, bf16 bit packing, a 16-lane exp2 and dropout's factors (Philox 16 calls a vector).
+the tile GEMM, bf16 bit packing, a 16-lane exp2 and dropout's factors (Philox 16 calls a vector);
+and avx512_bf16's `vdpbf16ps` as the split-KV decode's pair products (`PAIR_DOT`).
 
 AMX multiplies bf16 tiles into fp32 tiles: C (16 x 16 fp32) += A (16 rows x 32 bf16) . B, where
 B holds 16 rows of VNNI pairs, B[p, n] = (b[2p, n], b[2p + 1, n]) as one 32-bit word. A is a
