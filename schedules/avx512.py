@@ -21,7 +21,11 @@ from .cpu_rules import vectorize_inner
 
 VL = 16
 AMX_CPUS = ("sapphirerapids", "emeraldrapids", "graniterapids", "diamondrapids")
-BF16_CPUS = ("cooperlake", "znver4", "znver5")  # avx512_bf16 without AMX
+# CPUs whose split-KV decode takes its bf16 products on `vdpbf16ps` (kernels/decode.PairDot):
+# Zen 5 (dev box, compute only 1.2-1.8x faster than the FMA kernel). Not Sapphire Rapids: there
+# the decode benchmark ran 16-18% slower at 1k with them (Xeon, 2026-12-02; vdpbf16ps and the
+# vpermt2w pairing V take fewer ports than its two FMA pipes); other avx512_bf16 CPUs unmeasured
+PAIR_DOT_CPUS = ("znver5",)
 AMX_KV_PAD = 256  # packed K / V^T rows per (batch, kv-head) are a multiple of this (block_k
 # up to 256: each kv block's P.V loads and stores the O^T tiles once, so longer blocks spend
 # fewer tile loads a score; Xeon, bf16 D = 128, L = 1024: 256-key blocks 1.05-1.12x faster than
@@ -60,10 +64,9 @@ def has_amx(target: dict) -> bool:
     return target.get("mcpu") in AMX_CPUS or "+amx-bf16" in target.get("mattr", [])
 
 
-def has_avx512_bf16(target: dict) -> bool:
-    """Whether the target has `vdpbf16ps` (every AMX CPU; Cooper Lake, AMD Zen 4 and 5)."""
-    return (has_amx(target) or target.get("mcpu") in BF16_CPUS
-            or "+avx512bf16" in target.get("mattr", []))
+def takes_pair_dots(target: dict) -> bool:
+    """Whether the split-KV decode's bf16 products run on `vdpbf16ps` (PAIR_DOT_CPUS)."""
+    return target.get("mcpu") in PAIR_DOT_CPUS
 
 
 def kernels(spec, target: dict, knobs: dict) -> dict:
@@ -73,8 +76,7 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
     from .amx import PAIR_DOT
     from .amx_forward import amx_supported, forward_amx_kernel, forward_amx_pack_kernel
 
-    # the split-KV decode's bf16 products on vdpbf16ps (kernels/decode.py)
-    funcs = host.kernels(spec, target, knobs, PAIR_DOT if has_avx512_bf16(target) else None)
+    funcs = host.kernels(spec, target, knobs, PAIR_DOT if takes_pair_dots(target) else None)
     if has_amx(target) and amx_supported(spec):  # the split-KV forward of more rows a kv-head
         for split in ("decode", "forward_split"):
             if split in funcs:

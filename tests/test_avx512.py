@@ -114,23 +114,36 @@ def test_asm_fp32_and_fp16_run_on_zmm_fmas(dtype):
         assert "tdpbf16ps" not in asm[name]
 
 
-def test_asm_decode_prefetches_rows_on_pair_dots_and_tiles():
+def test_asm_decode_prefetches_rows_on_fmas_and_tiles():
     """The bf16 cache decode kernels prefetch their K / V rows into L2 (prefetcht1: a kv-head's
     rows lie at a stride the hardware prefetchers do not follow); the 4-row and one-row kernels
-    take bf16 pairs on `vdpbf16ps` (V's rows of two keys interleaved by `vpermt2w`, P packed by
-    `vcvtne2ps2bf16`), the kernels for more rows a kv-head (`*_tiles`, also the dense split-KV
-    forward's) AMX tiles."""
+    compute on zmm FMAs, the kernels for more rows a kv-head (`*_tiles`, also the dense
+    split-KV forward's) on AMX tiles."""
     from dataclasses import replace
 
     asm = spr_asm(replace(AttentionSpec("bfloat16", 128), kv_cache=True))
     for name in ("decode", "decode_tiles"):
         assert asm[name].count("prefetcht1") >= 8, name
-    for name, products in (("decode", 32), ("decode_row", 8)):  # 16 a key / two keys of 4 rows, 4 of one row
-        body = asm[name]
-        assert body.count("vdpbf16ps") >= products and "vpermt2w" in body and "vcvtne2ps2bf16" in body, name
-        assert "tdpbf16ps" not in body, name
+    assert asm["decode"].count("vfmadd231ps\t%zmm") >= 32 and "dpbf16ps" not in asm["decode"]
+    assert asm["decode_row"].count("vfmadd231ps\t%zmm") >= 8 and "dpbf16ps" not in asm["decode_row"]
     assert asm["decode_tiles"].count("tdpbf16ps") >= 8 and "vpermt2w" in asm["decode_tiles"]
     assert spr_asm(AttentionSpec("bfloat16", 64, causal="bottom_right"))["forward_split_tiles"].count("tdpbf16ps") >= 4
+
+
+def test_asm_zen5_decode_takes_bf16_pair_products():
+    """On Zen 5 (schedules/avx512.PAIR_DOT_CPUS) the 4-row and one-row decode kernels take bf16
+    pairs on `vdpbf16ps` (V's rows of two keys interleaved by `vpermt2w`, P packed by
+    `vcvtne2ps2bf16`); no AMX."""
+    from dataclasses import replace
+
+    from tvmflash.build import build_module
+
+    lib = build_module(replace(AttentionSpec("bfloat16", 128), kv_cache=True), {"kind": "llvm", "mcpu": "znver5"})
+    asm = lib.mod.inspect_source("asm")
+    assert "tdpbf16ps" not in asm and "ldtilecfg" not in asm
+    for name, products in (("decode", 32), ("decode_row", 8)):  # 16 a key (4 rows), 4 (one row) at least
+        body = asm.split(f"{name}_compute_:", 1)[1].split("_compute_:", 1)[0]
+        assert body.count("vdpbf16ps") >= products and "vpermt2w" in body and "vcvtne2ps2bf16" in body, name
 
 
 needs_amx = pytest.mark.skipif(not runs_avx512_amx(), reason="CPU lacks AVX512 + AMX (or the OS denies AMX)")

@@ -166,16 +166,16 @@ def test_kvcache_decode_odd_groups_and_head_dims():
 def test_kvcache_bf16_decode(heads):
     """bf16 decode (Lq = 1) with a head dim of 128 over thousands of keys in pages of 16: the
     4-row kernel (4 query heads a kv-head) and the one-row kernel (MHA), whose bf16 products
-    run on this CPU's pair products where it has them (avx512_bf16: `vdpbf16ps`, P rounded to
-    bf16), else on fp32 FMAs."""
+    run on fp32 FMAs, or on Zen 5 on `vdpbf16ps` (P rounded to bf16)."""
     check_kvcache("paged16", False, (-1, -1), None, 1, 0, dtype=torch.bfloat16, heads=heads, d=128, capacity=2100,
                   lengths=(2050, 3, 700))
 
 
 @pytest.mark.skipif("avx512f" not in cpu_flags(), reason="runs an AVX512 module")
 def test_kvcache_bf16_decode_without_pair_products(monkeypatch):
-    """bf16 decode on an AVX512 CPU without avx512_bf16 (Ice Lake): the FMA kernels, their bf16
-    rows converted into even and odd elements (`decode.store_paired_row`)."""
+    """bf16 decode on the FMA kernels of an AVX512 module (Ice Lake's, which any AVX512 CPU
+    runs), their bf16 rows converted into even and odd elements (`decode.store_paired_row`):
+    Zen 5 hosts take the pair products by default."""
     from tvmflash import build, ops
 
     icelake = {"kind": "llvm", "mcpu": "icelake-server", "num-cores": 2}

@@ -15,10 +15,10 @@ their own row sums and their lse, in fp32. Measured on the Xeon (bf16 B=16 H=32 
 query, 16 threads): at 1k keys the compute is most of the time (a table whose pages are all
 one page, so nothing comes from memory, ran 0.57 ms against 0.73 ms on real pages); the lane
 sum tree and the paired conversion together made it 1.05-1.08x faster at 1k, 1.04-1.18x at
-4k-16k. Where the target multiplies bf16 pairs (`PairDot`: avx512_bf16's `vdpbf16ps`, given by
-schedules/avx512.py) both products take the bf16 rows as they lie, 32 dims an instruction, with
-no conversion (on the dev box's Zen 5 cores, compute only: 1.41-1.78x faster). (bf16 kv-heads of
-more than 4 rows run on AMX tiles: schedules/amx_decode.py.)
+4k-16k. With a target's bf16 pair products (`PairDot`: `vdpbf16ps`, given by schedules/avx512.py
+for Zen 5) both products take the bf16 rows as they lie, 32 dims an instruction, with no
+conversion (Zen 5, compute only: 1.2-1.8x faster; on the Xeon 16-18% slower at 1k, so it keeps
+the FMAs). (bf16 kv-heads of more than 4 rows run on AMX tiles: schedules/amx_decode.py.)
 
 `forward_combine`: lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse) O_s; a query no
 split saw gets O = 0, lse = -inf, as from the one-pass forward.
