@@ -1,0 +1,125 @@
+"""Same-process A/B of CPU decode modules: flash_attn_with_kvcache (bf16, D = 128, shuffled
+pages of 16 and 256) timed with each module in turn, interleaved, in one process, so that two
+versions of the split-KV kernels compare on one machine state (runs across sessions differ by
+more than the changes measured). Build each version's module into a folder from its checkout,
+then time the folders together (on the Xeon: carry them, TVM's runtime is enough).
+
+    python scripts/decode_ab.py build DIR [--target avx512|host]   # this checkout's module -> DIR/mod.so
+    python scripts/decode_ab.py run DIR_A DIR_B ... [--lengths 1024,4096] [--same-page] [--out F.jsonl]
+
+`--same-page` points every page-table entry at one page: nothing comes from memory, so the
+times are the kernels' compute. Speedups are against the first folder's module.
+"""
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+import tvmflash
+from tvmflash import AttentionSpec, build, ops
+from tvmflash.bench import _interleaved_median_ms, machine_info
+
+SPEC = replace(AttentionSpec("bfloat16", 128), kv_cache=True)
+PAGES = (16, 256)
+
+
+def target_of(name: str | None) -> dict:
+    return build.AVX512_TARGET if name == "avx512" else build.host_target() if name == "host" else build.cpu_target()
+
+
+def build_into(folder: Path, target: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    build.build_module(SPEC, target).export_library(str(folder / "mod.so"))
+    (folder / "target.json").write_text(json.dumps(target))
+    print(f"{folder / 'mod.so'}: {SPEC.name} for {build.target_label(target)}")
+
+
+def load(folder: Path) -> dict:
+    """The kernels of folder/mod.so by name, as build.load_cached gives them."""
+    target = json.loads((folder / "target.json").read_text())
+    module = build._load(folder / "mod.so", target)
+    names = set(build.kernels_of(SPEC, target)) | set(build.CPU_OPTIONAL_KERNELS)
+    kernels = {n: module[n] for n in names if module.implements_function(n, query_imports=True)}
+    if any(n in kernels for n in build.AMX_KERNELS) and not build.request_amx():
+        sys.exit(f"{folder}: its module runs on AMX, which this CPU or OS does not provide")
+    return kernels
+
+
+def run(folders: list[Path], lengths: list[int], batch: int, heads: int, heads_k: int, lq: int, same_page: bool,
+        out: Path | None) -> None:
+    modules = {f.name: load(f) for f in folders}
+    key = (SPEC, torch.device("cpu"), os.environ.get("TVMFLASH_CPU_TARGET", "auto"))  # ops._kernels' cache key
+
+    def using(name):
+        ops._loaded[key] = modules[name]
+        ops._decode_plans.clear()  # a plan keeps its kernel: swap both
+
+    g = torch.Generator().manual_seed(0)
+    for length in lengths:
+        for page in PAGES:
+            per_seq = length // page
+            k, v = (torch.randn(batch * per_seq, page, heads_k, 128, generator=g).bfloat16() for _ in range(2))
+            table = torch.randperm(batch * per_seq, generator=g).view(batch, per_seq).int()
+            if same_page:
+                table.zero_()
+            q = torch.randn(batch, lq, heads, 128, generator=g).bfloat16()
+            seqlens = torch.full((batch,), length, dtype=torch.int32)
+
+            def call():
+                return tvmflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table)
+
+            outputs = {}
+            for name in modules:
+                using(name)
+                outputs[name] = call().float()
+            first = next(iter(modules))
+            diffs = {name: (o - outputs[first]).abs().max().item() for name, o in outputs.items()}
+
+            def timed(name, calls=5):
+                def f():
+                    using(name)
+                    for _ in range(calls):
+                        call()
+                return f
+
+            ms = {name: t / 5 for name, t in _interleaved_median_ms({n: timed(n) for n in modules}, rounds=7, iters=3,
+                                                                     device="cpu").items()}
+            row = {"length": length, "page": page, "batch": batch, "heads": heads, "heads_k": heads_k, "lq": lq,
+                   "same_page": same_page, "ms": ms, "speedup": {n: ms[first] / t for n, t in ms.items()},
+                   "max_diff_vs_first": diffs}
+            print(json.dumps(row), flush=True)
+            if out:
+                with out.open("a") as f:
+                    f.write(json.dumps({**row, "threads": torch.get_num_threads(),
+                                        "cpu": machine_info("cpu")["cpu_model"]}) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("folder", type=Path)
+    b.add_argument("--target", choices=("avx512", "host"), help="default: this CPU's (build.cpu_target)")
+    r = sub.add_parser("run")
+    r.add_argument("folders", type=Path, nargs="+")
+    r.add_argument("--lengths", default="1024,4096", help="cache lengths (comma separated)")
+    r.add_argument("--batch", type=int, default=16)
+    r.add_argument("--heads", default="32,8", help="query heads, kv-heads")
+    r.add_argument("--lq", type=int, default=1)
+    r.add_argument("--same-page", action="store_true", help="every page-table entry one page (compute only)")
+    r.add_argument("--out", type=Path, help="append the rows to this JSON-lines file")
+    args = parser.parse_args()
+    if args.command == "build":
+        build_into(args.folder, target_of(args.target))
+    else:
+        heads, heads_k = (int(x) for x in args.heads.split(","))
+        run(args.folders, [int(x) for x in args.lengths.split(",")], args.batch, heads, heads_k, args.lq,
+            args.same_page, args.out)
+
+
+if __name__ == "__main__":
+    main()
