@@ -228,6 +228,11 @@ class PairDot:
     llvm_ir: str
 
 
+def lanes(start):
+    """LANES consecutive elements from `start`, as a load's last index."""
+    return tirx.Ramp(start, 1, LANES)
+
+
 def words(chunk):
     """32 bf16 (a vector load) as 16 uint32 words of element pairs (a bf16 vector would be
     legalised to fp32)."""
@@ -271,7 +276,7 @@ def store_lane_sums(dst, index: list, vectors: list, factor=None) -> None:
         width //= 2
     *prefix, c0 = index
     sums = vectors[0] if factor is None else vectors[0] * tirx.Broadcast(factor, LANES)
-    irb.buffer_store(dst, sums, [*prefix, tirx.Ramp(c0, 1, LANES)])
+    irb.buffer_store(dst, sums, [*prefix, lanes(c0)])
 
 
 PAIR_CHUNK = 32  # bf16 elements converted at once by `store_paired_row`
@@ -297,9 +302,9 @@ def store_paired_row(dst, base, c, chunk):
     """dst[base + 32c + i] = the fp32 of element 2i (i < 16), then 2i - 31 (16 <= i < 32), of the 32
     bf16 `chunk`: its 32-bit words shifted left by 16 (even elements) and masked to their high
     halves (odd ones)."""
-    words = tirx.reinterpret("uint32x16", tirx.reinterpret("uint16x32", chunk))
-    even = tirx.reinterpret("float32x16", words << tirx.Broadcast(tirx.const(16, "uint32"), 16))
-    odd = tirx.reinterpret("float32x16", words & tirx.Broadcast(tirx.const(0xFFFF0000, "uint32"), 16))
+    pairs = words(chunk)
+    even = tirx.reinterpret("float32x16", pairs << tirx.Broadcast(tirx.const(16, "uint32"), 16))
+    odd = tirx.reinterpret("float32x16", pairs & tirx.Broadcast(tirx.const(0xFFFF0000, "uint32"), 16))
     start = base + c * PAIR_CHUNK
     irb.buffer_store(dst, even, [tirx.Ramp(start, 1, 16)])
     irb.buffer_store(dst, odd, [tirx.Ramp(start + 16, 1, 16)])
@@ -310,8 +315,8 @@ def pair_dot_sum(pair_dot: PairDot, a, r, b, chunks: int):
     products of pairs (its lane sums are its dot product with b)."""
     acc = tirx.Broadcast(tirx.const(0, F32), LANES)
     for c in range(chunks):
-        lanes = tirx.Ramp(tirx.const(c * LANES, "int32"), tirx.const(1, "int32"), LANES)
-        acc = pair_dot.dot(acc, tirx.BufferLoad(a, [r, lanes]), tirx.BufferLoad(b, [lanes]))
+        chunk = lanes(tirx.const(c * LANES, "int32"))
+        acc = pair_dot.dot(acc, tirx.BufferLoad(a, [r, chunk]), tirx.BufferLoad(b, [chunk]))
     return acc
 
 
@@ -331,13 +336,12 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
     D, RB, BK = spec.head_dim, block_rows, block_k
     DV = math.gcd(D, value_cols)  # columns of O a value pass keeps in registers
     VL = LANES if D % LANES == 0 else 1  # head dims that are not multiples of 16: scalar lanes
-    WORDS = (pair_dot is not None and spec.dtype == "bfloat16" and VL == LANES and D % PAIR_CHUNK == 0
-             and DV % PAIR_CHUNK == 0)  # products on bf16 pairs (pair_dot)
+    BF16_CHUNKS = spec.dtype == "bfloat16" and VL == LANES and D % PAIR_CHUNK == 0 and DV % PAIR_CHUNK == 0
+    WORDS = BF16_CHUNKS and pair_dot is not None  # products on bf16 pairs (pair_dot)
     # else bf16 rows converted 32 elements at a time into their even and odd elements (a shift and
     # a mask of the 32-bit words, two instructions where widening takes four); q and O's columns
     # then lie in that order (`paired_dim`), O is put back in order when it is stored
-    PAIRED = (not WORDS and spec.dtype == "bfloat16" and VL == LANES and D % PAIR_CHUNK == 0
-              and DV % PAIR_CHUNK == 0)
+    PAIRED = BF16_CHUNKS and not WORDS
     dim_of = paired_dim if PAIRED else (lambda d: d)  # the head dim held at position d
     slot_of = paired_slot if PAIRED else (lambda d: d)  # the position of head dim d
     shape = Shape.fresh()
@@ -374,14 +378,11 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
 
     def products_of(prod, r):
         """Row r's 16 vectors of per-lane products (one a key)."""
-        return [tirx.BufferLoad(prod, [r, tirx.const(x, "int32"), tirx.Ramp(0, 1, LANES)]) for x in range(LANES)]
+        return [tirx.BufferLoad(prod, [r, tirx.const(x, "int32"), lanes(0)]) for x in range(LANES)]
 
     def score_factor(scale):
         """What the lane sums are multiplied by: q's bf16 pairs are not pre-scaled."""
         return scale if WORDS else None
-
-    def lanes(start):
-        return tirx.Ramp(start, 1, LANES)
 
     @T.prim_func(s_tir=True)
     def fwd():
