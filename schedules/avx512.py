@@ -23,8 +23,8 @@ VL = 16
 AMX_CPUS = ("sapphirerapids", "emeraldrapids", "graniterapids", "diamondrapids")
 # CPUs whose split-KV decode takes its bf16 products on `vdpbf16ps` (kernels/decode.PairDot):
 # Zen 5 (dev box, compute only 1.2-1.8x faster than the FMA kernel). Not Sapphire Rapids: there
-# the decode benchmark ran 16-18% slower at 1k with them (Xeon, 2026-12-02: a zmm vdpbf16ps issues
-# once every 2 cycles there, two FMAs a cycle); other avx512_bf16 CPUs unmeasured
+# the decode benchmark ran 16-18% slower at 1k with them (Xeon, 2026-12-02; on the dev box's Intel
+# AMX core a zmm vdpbf16ps issues once every 2 cycles, FMAs twice a cycle); other CPUs unmeasured
 PAIR_DOT_CPUS = ("znver5",)
 AMX_KV_PAD = 256  # packed K / V^T rows per (batch, kv-head) are a multiple of this (block_k
 # up to 256: each kv block's P.V loads and stores the O^T tiles once, so longer blocks spend
