@@ -1,13 +1,19 @@
-"""Building blocks of the AMX kernels (`amx_forward.py`, `amx_backward.py`): tile configuration,
-the tile GEMM, bf16 bit packing, a 16-lane exp2 and dropout's factors (Philox 16 calls a vector);
-and avx512_bf16's `vdpbf16ps` as the split-KV decode's pair products (`PAIR_DOT`).
+"""Building blocks of the bf16 kernels (`amx_forward.py`, `amx_backward.py`): their matrix units
+(`TILES`: AMX's tile GEMM and tile configuration; `PAIR_DOTS`: the same GEMM on avx512_bf16's
+`vdpbf16ps`, for CPUs without AMX), bf16 bit packing, a 16-lane exp2 and dropout's factors
+(Philox 16 calls a vector); and `vdpbf16ps` as the split-KV decode's pair products (`PAIR_DOT`).
 
 AMX multiplies bf16 tiles into fp32 tiles: C (16 x 16 fp32) += A (16 rows x 32 bf16) . B, where
 B holds 16 rows of VNNI pairs, B[p, n] = (b[2p, n], b[2p + 1, n]) as one 32-bit word. A is a
 plain row-major bf16 matrix; B is the K-dim-paired layout the kernels build in packs. Tile
 numbers are immediates: a 32 x 32 C block is tmm0-3, fed by A tiles tmm4-5 and B tiles tmm6-7.
+`vdpbf16ps` takes the same operands a pair at a time: 16 lanes of C's row r += A's pair (r, 2p)
+broadcast times B's row p, so the kernels are written once for both units.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -238,9 +244,9 @@ def release_tiles():
 def tile_gemm(c_at, c_ld, a_at, a_ld, b_at, b_ld, m, n, k, accumulate, rewalk=None):
     """C (m x n fp32) = [C +] A (m x k bf16) . B (k/2 x n pairs), in 32 x 32 blocks.
 
-    x_at(row, col) is the address of element (row, col) of operand x in its own units (C: fp32,
-    A: bf16, B: pairs, so B's rows are k/2); x_ld its row stride in bytes. `accumulate` loads C
-    first, else starts from zero.
+    x_at(row, col) is element (row, col) of operand x (a buffer element: C fp32, A bf16 or a
+    pair holding (row, col) and (row, col + 1), B a pair, so B's rows are k/2); x_ld its row
+    stride in bytes. `accumulate` loads C first, else starts from zero.
 
     The C blocks are visited so that one operand is walked again for every block of the outer
     loop while the other's block stays in L1 for the inner one: `rewalk` "a" or "b" names it;
@@ -254,21 +260,120 @@ def tile_gemm(c_at, c_ld, a_at, a_ld, b_at, b_ld, m, n, k, accumulate, rewalk=No
         nb = T.meta_var(outer if a_again else inner)
         for c in T.unroll(4):
             if accumulate:
-                T.evaluate(amx("tileloadd64", tmm(c), c_at(mb * BLOCK + c // 2 * TILE, nb * BLOCK + c % 2 * TILE),
-                               row_bytes(c_ld)))
+                T.evaluate(amx("tileloadd64", tmm(c), T.address_of(c_at(mb * BLOCK + c // 2 * TILE,
+                                                                        nb * BLOCK + c % 2 * TILE)), row_bytes(c_ld)))
             else:
                 T.evaluate(amx("tilezero", tmm(c)))
         for kc in T.serial(k // BLOCK):
             for x in T.unroll(2):
-                T.evaluate(amx("tileloadd64", tmm(4 + x), a_at(mb * BLOCK + x * TILE, kc * BLOCK), row_bytes(a_ld)))
-                T.evaluate(amx("tileloadd64", tmm(6 + x), b_at(kc * TILE, nb * BLOCK + x * TILE), row_bytes(b_ld)))
+                T.evaluate(amx("tileloadd64", tmm(4 + x), T.address_of(a_at(mb * BLOCK + x * TILE, kc * BLOCK)),
+                               row_bytes(a_ld)))
+                T.evaluate(amx("tileloadd64", tmm(6 + x), T.address_of(b_at(kc * TILE, nb * BLOCK + x * TILE)),
+                               row_bytes(b_ld)))
             T.evaluate(amx("tdpbf16ps", tmm(0), tmm(4), tmm(6)))
             T.evaluate(amx("tdpbf16ps", tmm(1), tmm(4), tmm(7)))
             T.evaluate(amx("tdpbf16ps", tmm(2), tmm(5), tmm(6)))
             T.evaluate(amx("tdpbf16ps", tmm(3), tmm(5), tmm(7)))
         for c in T.unroll(4):
-            T.evaluate(amx("tilestored64", tmm(c), c_at(mb * BLOCK + c // 2 * TILE, nb * BLOCK + c % 2 * TILE),
-                           row_bytes(c_ld)))
+            T.evaluate(amx("tilestored64", tmm(c), T.address_of(c_at(mb * BLOCK + c // 2 * TILE,
+                                                                      nb * BLOCK + c % 2 * TILE)), row_bytes(c_ld)))
+
+
+def _vector(element, lanes: int):
+    """`lanes` consecutive elements of a buffer from `element` (a scalar BufferLoad) on."""
+    *prefix, last = element.indices
+    return tirx.BufferLoad(element.source, [*prefix, tirx.Ramp(last, 1, lanes)])
+
+
+def _pair_at(element):
+    """The bf16 pair (a 32-bit word) at `element`: a PAIR buffer's element, or two bf16 from it."""
+    if element.source.dtype == PAIR:
+        return element
+    return tirx.reinterpret(PAIR, tirx.reinterpret("uint16x2", _vector(element, 2)))
+
+
+def _pair_dot_step(acc, a_at, b_at, r0, c0, p, rows: int, vecs: int) -> None:
+    """acc[r, 16v : 16v + 16] += A's pair (r0 + r, 2p) . B's row p, columns c0 + 16v.., for
+    r < rows, v < vecs: one `vdpbf16ps` each (A's pair broadcast from memory)."""
+    b_rows = [irb.bind(tirx.reinterpret("uint32x16", _vector(b_at(p, c0 + v * 16), 16))) for v in range(vecs)]
+    for r in range(rows):
+        a = tirx.Broadcast(_pair_at(a_at(r0 + r, p * 2)), 16)
+        for v in range(vecs):
+            cols = tirx.Ramp(tirx.const(v * 16, "int32"), tirx.const(1, "int32"), 16)
+            irb.buffer_store(acc, _dpbf16(tirx.BufferLoad(acc, [tirx.const(r, "int32"), cols]), a, b_rows[v]),
+                             [tirx.const(r, "int32"), cols])
+
+
+def _move_block(acc, c_at, r0, c0, rows: int, vecs: int, load: bool) -> None:
+    """acc <- C's block at (r0, c0) if `load`, else C's block <- acc."""
+    for r in range(rows):
+        for v in range(vecs):
+            cols = tirx.Ramp(tirx.const(v * 16, "int32"), tirx.const(1, "int32"), 16)
+            mem = _vector(c_at(r0 + r, c0 + v * 16), 16)
+            if load:
+                irb.buffer_store(acc, mem, [tirx.const(r, "int32"), cols])
+            else:
+                irb.buffer_store(mem.source, tirx.BufferLoad(acc, [tirx.const(r, "int32"), cols]), mem.indices)
+
+
+def _zero_block(acc, rows: int, vecs: int) -> None:
+    for r in range(rows):
+        irb.buffer_store(acc, tirx.Broadcast(tirx.const(0.0, F32), vecs * 16),
+                         [tirx.const(r, "int32"), tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), vecs * 16)])
+
+
+PAIR_DOT_ACCUMULATORS = 16  # zmm accumulators of a register block (of 32): rows x vectors
+
+
+@T.inline
+def pair_dot_gemm(c_at, c_ld, a_at, a_ld, b_at, b_ld, m, n, k, accumulate, rewalk=None):
+    """`tile_gemm`'s product on `vdpbf16ps`, in register blocks of 16 accumulators (4 rows x 64
+    columns where n allows, else 8 x 32) visited in `tile_gemm`'s order; the row strides are
+    the buffers' own."""
+    vecs = T.meta_var(4 if n % 64 == 0 else 2)
+    rows = T.meta_var(PAIR_DOT_ACCUMULATORS // vecs)
+    acc = T.sblock_alloc_buffer((rows, vecs * 16), F32, scope="local")
+    a_again = T.meta_var((m < n) if rewalk is None else rewalk == "a")
+    for outer, inner in T.grid((n // (vecs * 16)) if a_again else (m // rows),
+                               (m // rows) if a_again else (n // (vecs * 16))):
+        r0 = T.meta_var((inner if a_again else outer) * rows)
+        c0 = T.meta_var((outer if a_again else inner) * (vecs * 16))
+        if accumulate:
+            _move_block(acc, c_at, r0, c0, rows, vecs, True)
+        else:
+            _zero_block(acc, rows, vecs)
+        for p in T.serial(k // 2, annotations={"pragma_import_llvm": _DPBF16_IR}):
+            _pair_dot_step(acc, a_at, b_at, r0, c0, p, rows, vecs)
+        _move_block(acc, c_at, r0, c0, rows, vecs, False)
+
+
+@T.inline
+def no_tile_config(cfg):
+    """(`cfg` written all the same: the kernels allocate it, and s_tir wants it used)"""
+    with T.sblock("tile_config"):
+        T.reads()
+        T.writes(cfg[0:1])
+        cfg[0] = T.uint8(0)
+
+
+@T.inline
+def no_tile_release():
+    T.evaluate(0)
+
+
+@dataclass(frozen=True)
+class MatrixUnit:
+    """What the bf16 kernels' GEMMs run on: `gemm` (tile_gemm's signature), and what a task
+    does before its first and after its last (`configure(cfg)`, `release()`)."""
+
+    name: str
+    gemm: Any
+    configure: Any
+    release: Any
+
+
+TILES = MatrixUnit("amx", tile_gemm, configure_tiles, release_tiles)  # AMX: tdpbf16ps
+PAIR_DOTS = MatrixUnit("avx512_bf16", pair_dot_gemm, no_tile_config, no_tile_release)  # vdpbf16ps
 
 
 # ----------------------------------------------------------------------------- dropout

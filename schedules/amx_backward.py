@@ -27,8 +27,8 @@ from tvm.script import tirx as T
 from ..kernels.backward import declare_backward_inputs, load_row_stats
 from ..kernels.common import F32, KernelArgs, Shape, fast_exp
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
-from .amx import (BF16, PAIR, amx_dropout_buffers, bf16_pairs, bf16_row, configure_tiles, dropout_tile_16, pair_bits,
-                  release_tiles, stage_rows, store_word_halves, store_words, tile_gemm, word_column)
+from .amx import (BF16, PAIR, TILES, MatrixUnit, amx_dropout_buffers, bf16_pairs, bf16_row, dropout_tile_16, pair_bits,
+                  stage_rows, store_word_halves, store_words, word_column)
 from .amx_forward import amx_supported, dropped, modified, z_rows
 
 __all__ = ["amx_supported", "backward_amx_pack_kernel", "backward_amx_kernel"]
@@ -153,22 +153,20 @@ def step_gradients(score, scale, sT, dpT, pT, dsT, zT, lse_t, delta_t, b, h, q0,
 
 
 @T.inline
-def score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, zT, words, lse_t, delta_t, b, h, hk, q0, k0, BQ, BK, D,
+def score_gradients(unit, P, score, scale, cfg, sT, dpT, pT, dsT, zT, words, lse_t, delta_t, b, h, hk, q0, k0, BQ, BK, D,
                     LQ, LK):
     """P^T and dS^T (fp32, keys x queries) of one (kv-block, q-block) step, and with dropout
     its factors Z^T (`zT`; `words`: scratch)."""
     with T.sblock("qk_amx"):  # S^T = K . Q^T
         T.reads(P.kp[b, hk, k0:k0 + BK, 0:D], P.qd[b, h, 0:D // 2, q0:q0 + BQ], cfg[0:64])
         T.writes(sT[0:BK, 0:BQ])
-        tile_gemm(lambda r, c: T.address_of(sT[r, c]), BQ * 4,
-                  lambda r, c: T.address_of(P.kp[b, hk, k0 + r, c]), P.kp.strides[2] * 2,
-                  lambda r, c: T.address_of(P.qd[b, h, r, q0 + c]), P.qd.strides[2] * 4, BK, BQ, D, False)
+        unit.gemm(lambda r, c: sT[r, c], BQ * 4, lambda r, c: P.kp[b, hk, k0 + r, c], P.kp.strides[2] * 2,
+                  lambda r, c: P.qd[b, h, r, q0 + c], P.qd.strides[2] * 4, BK, BQ, D, False)
     with T.sblock("dp_amx"):  # dP^T = V . dO^T
         T.reads(P.vp[b, hk, k0:k0 + BK, 0:D], P.dod[b, h, 0:D // 2, q0:q0 + BQ], cfg[0:64])
         T.writes(dpT[0:BK, 0:BQ])
-        tile_gemm(lambda r, c: T.address_of(dpT[r, c]), BQ * 4,
-                  lambda r, c: T.address_of(P.vp[b, hk, k0 + r, c]), P.vp.strides[2] * 2,
-                  lambda r, c: T.address_of(P.dod[b, h, r, q0 + c]), P.dod.strides[2] * 4, BK, BQ, D, False)
+        unit.gemm(lambda r, c: dpT[r, c], BQ * 4, lambda r, c: P.vp[b, hk, k0 + r, c], P.vp.strides[2] * 2,
+                  lambda r, c: P.dod[b, h, r, q0 + c], P.dod.strides[2] * 4, BK, BQ, D, False)
     if score.dropout is not None:
         dropout_tile_16(score.dropout, zT, words, b, h, q0, k0, BQ, BK)
     # P^T and dS^T in 16-lane vectors written here: left to LLVM's loop vectorizer, the
@@ -182,19 +180,18 @@ def score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, zT, words, lse_t, de
 
 
 @T.inline
-def accumulate_rows(name, acc, a_rows, pairs, cfg, b, h, q0, BK, BQ, D):
+def accumulate_rows(unit, name, acc, a_rows, pairs, cfg, b, h, q0, BK, BQ, D):
     """acc (BK x D fp32) += a_rows (BK x BQ bf16: P^T or dS^T) . the step's queries of `pairs`
     (dO or Q as VNNI pairs over queries)."""
     with T.sblock(name):
         T.reads(a_rows[0:BK, 0:BQ // 2], pairs[b, h, q0 // 2:q0 // 2 + BQ // 2, 0:D], acc[0:BK, 0:D], cfg[0:64])
         T.writes(acc[0:BK, 0:D])
-        tile_gemm(lambda r, c: T.address_of(acc[r, c]), D * 4,
-                  lambda r, c: T.address_of(a_rows[r, c // 2]), BQ * 2,
-                  lambda r, c: T.address_of(pairs[b, h, q0 // 2 + r, c]), pairs.strides[2] * 4, BK, D, BQ, True)
+        unit.gemm(lambda r, c: acc[r, c], D * 4, lambda r, c: a_rows[r, c // 2], BQ * 2,
+                  lambda r, c: pairs[b, h, q0 // 2 + r, c], pairs.strides[2] * 4, BK, D, BQ, True)
 
 
 @T.inline
-def accumulate_dq(P, cfg, acc_at, acc_ld, acc_region, dsT, dsb, hk, b, k0, BQ, BK, D):
+def accumulate_dq(unit, P, cfg, acc_at, acc_ld, acc_region, dsT, dsb, hk, b, k0, BQ, BK, D):
     """dQ^T (D x BQ, at acc_at) += K^T . dS^T."""
     for p, ic in T.grid(BK // 2, BQ // 16):
         with T.sblock("pack_dsb"):
@@ -206,11 +203,11 @@ def accumulate_dq(P, cfg, acc_at, acc_ld, acc_region, dsT, dsb, hk, b, k0, BQ, B
     with T.sblock("dq_amx"):
         T.reads(P.kt[b, hk, 0:D, k0:k0 + BK], dsb[0:BK // 2, 0:BQ], acc_region, cfg[0:64])
         T.writes(acc_region)
-        tile_gemm(acc_at, acc_ld, lambda r, c: T.address_of(P.kt[b, hk, r, k0 + c]), P.kt.strides[2] * 2,
-                  lambda r, c: T.address_of(dsb[r, c]), BQ * 4, D, BQ, BK, True)
+        unit.gemm(acc_at, acc_ld, lambda r, c: P.kt[b, hk, r, k0 + c], P.kt.strides[2] * 2,
+                  lambda r, c: dsb[r, c], BQ * 4, D, BQ, BK, True)
 
 
-def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str) -> tirx.PrimFunc:
+def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str, unit: MatrixUnit = TILES) -> tirx.PrimFunc:
     """plan "fused": one task per (batch, kv-head), dK, dV and dQ (symbol backward_fused);
     "dkdv": one task per (batch, kv-head, kv-block), dK and dV (backward_dkdv); "dq": one task
     per (batch, head, q-block), dQ (backward_dq). Arguments as the generic kernels' (the fused
@@ -237,7 +234,7 @@ def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str) -> tirx.Pri
         return lse, delta, dk, dv, dq, dq_accT, scale, score, packs
 
     if plan == "dq":
-        return _dq_kernel(declare, shape, D, BQ, BK, dt, WORDS_SHAPE, Z_SHAPE)
+        return _dq_kernel(declare, shape, D, BQ, BK, dt, WORDS_SHAPE, Z_SHAPE, unit)
 
     @T.prim_func(s_tir=True)
     def dkdv_fn():
@@ -250,7 +247,7 @@ def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str) -> tirx.Pri
             with T.sblock("task"):
                 vt = T.axis.spatial(B * HK * SPLIT, t)
                 cfg = T.sblock_alloc_buffer((64,), "uint8")
-                configure_tiles(cfg)
+                unit.configure(cfg)
                 if fused:
                     for g, d, ic, i in T.grid(G, D, P.lqp // 16, 16):  # Lq_padded % 16 == 0
                         with T.sblock("zero_dq"):
@@ -287,7 +284,7 @@ def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str) -> tirx.Pri
                                 vh = T.meta_var(vhk * G + vg)
                                 q0 = T.meta_var(vqb * BQ)
                                 load_row_stats(LSE, DELTA, lse_t, delta_t, vb, vh, q0, BQ, LQ)
-                                score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, zT, words, lse_t, delta_t,
+                                score_gradients(unit, P, score, scale, cfg, sT, dpT, pT, dsT, zT, words, lse_t, delta_t,
                                                 vb, vh, vhk, q0, k0, BQ, BK, D, LQ, LK)
                                 for j, c in T.grid(BK, BQ // 32):  # dV takes (P Z)^T with dropout
                                     with T.sblock("pack_pa"):
@@ -301,11 +298,11 @@ def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str) -> tirx.Pri
                                                     dropout))
                                         dsa[vj, T.Ramp(vc * 16, 1, 16)] = bf16_row(dsT[vj, T.Ramp(vc * 32, 1, 16)],
                                                                                    dsT[vj, T.Ramp(vc * 32 + 16, 1, 16)])
-                                accumulate_rows("dv_amx", dv_acc, pa, P.doq, cfg, vb, vh, q0, BK, BQ, D)  # dV += P^T dO
-                                accumulate_rows("dk_amx", dk_acc, dsa, P.qq, cfg, vb, vh, q0, BK, BQ, D)  # dK += dS^T Q
+                                accumulate_rows(unit, "dv_amx", dv_acc, pa, P.doq, cfg, vb, vh, q0, BK, BQ, D)  # dV += P^T dO
+                                accumulate_rows(unit, "dk_amx", dk_acc, dsa, P.qq, cfg, vb, vh, q0, BK, BQ, D)  # dK += dS^T Q
                                 if fused:
                                     dsb = T.sblock_alloc_buffer((BK // 2, BQ), PAIR)
-                                    accumulate_dq(P, cfg, lambda r, c: T.address_of(DQ_ACC[vb, vh, r, q0 + c]),
+                                    accumulate_dq(unit, P, cfg, lambda r, c: DQ_ACC[vb, vh, r, q0 + c],
                                                   DQ_ACC.strides[2] * 4, DQ_ACC[vb, vh, 0:D, q0:q0 + BQ],
                                                   dsT, dsb, vhk, vb, k0, BQ, BK, D)
                         for j, d in T.grid(BK, D):
@@ -314,7 +311,7 @@ def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str) -> tirx.Pri
                                 T.where(k0 + j < LK)
                                 DK[vb, vhk, k0 + vj, vd] = T.Cast(dt, dk_acc[vj, vd] * scale)
                                 DV[vb, vhk, k0 + vj, vd] = T.Cast(dt, dv_acc[vj, vd])
-                release_tiles()
+                unit.release()
                 if fused:
                     for g, i, d in T.grid(G, LQ, D):
                         with T.sblock("store_dq"):
@@ -325,7 +322,8 @@ def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str) -> tirx.Pri
     return dkdv_fn.with_attr("global_symbol", "backward_fused" if fused else "backward_dkdv")
 
 
-def _dq_kernel(declare, shape: Shape, D: int, BQ: int, BK: int, dt: str, WORDS_SHAPE, Z_SHAPE) -> tirx.PrimFunc:
+def _dq_kernel(declare, shape: Shape, D: int, BQ: int, BK: int, dt: str, WORDS_SHAPE, Z_SHAPE,
+               unit: MatrixUnit) -> tirx.PrimFunc:
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
 
     @T.prim_func(s_tir=True)
@@ -345,7 +343,7 @@ def _dq_kernel(declare, shape: Shape, D: int, BQ: int, BK: int, dt: str, WORDS_S
                 vhk = T.meta_var(vh // (H // HK))
                 q0 = T.meta_var(vqb * BQ)
                 kb_lo, kb_hi = T.meta_var(score.kv_blocks(q0, T.min(q0 + BQ, LQ), BK))
-                configure_tiles(cfg)
+                unit.configure(cfg)
                 load_row_stats(LSE, DELTA, lse_t, delta_t, vb, vh, q0, BQ, LQ)
                 for d, i in T.grid(D, BQ):
                     with T.sblock("init_acc"):
@@ -362,11 +360,11 @@ def _dq_kernel(declare, shape: Shape, D: int, BQ: int, BK: int, dt: str, WORDS_S
                         zT = T.sblock_alloc_buffer(Z_SHAPE, F32)
                         words = T.sblock_alloc_buffer(WORDS_SHAPE, "uint32")
                         k0 = T.meta_var(vkb * BK)
-                        score_gradients(P, score, scale, cfg, sT, dpT, pT, dsT, zT, words, lse_t, delta_t,
+                        score_gradients(unit, P, score, scale, cfg, sT, dpT, pT, dsT, zT, words, lse_t, delta_t,
                                         vb, vh, vhk, q0, k0, BQ, BK, D, LQ, LK)
-                        accumulate_dq(P, cfg, lambda r, c: T.address_of(dq_accT[r, c]), BQ * 4, dq_accT[0:D, 0:BQ],
+                        accumulate_dq(unit, P, cfg, lambda r, c: dq_accT[r, c], BQ * 4, dq_accT[0:D, 0:BQ],
                                       dsT, dsb, vhk, vb, k0, BQ, BK, D)
-                release_tiles()
+                unit.release()
                 for i, d in T.grid(BQ, D):
                     with T.sblock("store_dq"):
                         vi, vd = T.axis.remap("SS", [i, d])

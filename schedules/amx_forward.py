@@ -39,8 +39,8 @@ from ..kernels.common import F32, LOG2E, NEG_INF, KernelArgs, Shape, fast_exp
 from ..kernels.dropout import Dropout
 from ..kernels.forward import declare_forward_args
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
-from .amx import (BF16, PAIR, amx_dropout_buffers, bf16_pairs, column_16, configure_tiles, dropout_tile_16, exp2_16,
-                  release_tiles, stage_rows, store_bf16_row, store_word_halves, store_words, tile_gemm, word_column)
+from .amx import (BF16, PAIR, TILES, MatrixUnit, amx_dropout_buffers, bf16_pairs, column_16, dropout_tile_16, exp2_16,
+                  stage_rows, store_bf16_row, store_word_halves, store_words, word_column)
 
 LN2 = 0.6931471805599453
 NEG_INF16 = tirx.Broadcast(NEG_INF, 16)
@@ -203,14 +203,13 @@ def chunked_softmax(score: ScorePipeline, has_mods: bool, dropout: bool, later, 
 
 
 @T.inline
-def qk_rows(name, sT, kp, qp, b, hk, k0, j0, rows, head_dim, block_q, kp_row, row_bytes):
+def qk_rows(unit, name, sT, kp, qp, b, hk, k0, j0, rows, head_dim, block_q, kp_row, row_bytes):
     """S^T rows [j0, j0 + rows) of a kv block from k0: K rows . Q^T pairs."""
     with T.sblock(name):
         T.reads(kp[b, hk, k0 + j0:k0 + j0 + rows, 0:head_dim], qp[0:head_dim // 2, 0:block_q])
         T.writes(sT[j0:j0 + rows, 0:block_q])
-        tile_gemm(lambda r, c: T.address_of(sT[j0 + r, c]), row_bytes,
-                  lambda r, c: T.address_of(kp[b, hk, k0 + j0 + r, c]), kp_row,
-                  lambda r, c: T.address_of(qp[r, c]), row_bytes, rows, block_q, head_dim, False)
+        unit.gemm(lambda r, c: sT[j0 + r, c], row_bytes, lambda r, c: kp[b, hk, k0 + j0 + r, c], kp_row,
+                  lambda r, c: qp[r, c], row_bytes, rows, block_q, head_dim, False)
 
 
 @T.inline
@@ -299,9 +298,9 @@ def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int, with_k: bool = Tru
 
 
 def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: int,
-                       name: str = "forward") -> tirx.PrimFunc:
+                       name: str = "forward", unit: MatrixUnit = TILES) -> tirx.PrimFunc:
     """`kv_pad`: the packed K / V^T length is a multiple of it (block_k must divide it); `name`
-    the module function."""
+    the module function; `unit` what its GEMMs run on (amx.TILES or amx.PAIR_DOTS)."""
     assert amx_supported(spec) and block_q % 32 == 0 and block_k % 32 == 0 and kv_pad % block_k == 0
     D, BQ, BK = spec.head_dim, block_q, block_k
     ROW = BQ + ROW_PAD  # row length of the tile operands built here (qp, sT, pp, accT)
@@ -343,7 +342,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                 vhk = T.meta_var(vh // (H // HK))
                 q0 = T.meta_var(vqb * BQ)
                 kb_lo, kb_hi = T.meta_var(score.kv_blocks(q0, T.min(q0 + BQ, LQ), BK))
-                configure_tiles(cfg)
+                unit.configure(cfg)
                 for p, c in T.grid(D // 2, BQ // 32):
                     with T.sblock("pack_q"):
                         vp, vc = T.axis.remap("SS", [p, c])
@@ -402,12 +401,12 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         chunked = T.meta_var(chunked_softmax(score, has_mods, dropout, vkb > kb_lo, whole, split, terms))
                         if chunked:  # S^T 32 keys at a time, each chunk's P taken while it is in L1
                             for c in T.serial(BK // 32):
-                                qk_rows("qk_chunk", sT, KP, qp, vb, vhk, k0, c * 32, 32, D, BQ, kp_row, ROW * 4)
+                                qk_rows(unit, "qk_chunk", sT, KP, qp, vb, vhk, k0, c * 32, 32, D, BQ, kp_row, ROW * 4)
                                 for p in T.serial(16):
                                     softmax_pair("softmax_chunk", sT, src_scale, m, pp, ls, c * 16 + p,
                                                  k0, LK, BQ, terms, zT, False)
                         else:
-                            qk_rows("qk_amx", sT, KP, qp, vb, vhk, k0, 0, BK, D, BQ, kp_row, ROW * 4)  # S^T = K . Q^T
+                            qk_rows(unit, "qk_amx", sT, KP, qp, vb, vhk, k0, 0, BK, D, BQ, kp_row, ROW * 4)  # S^T = K . Q^T
                         if dropout:
                             dropout_tile_16(score.dropout, zT, words, vb, vh, q0, k0, BQ, BK)
                         if has_mods:  # modified scores in place (vectorised here, not by a rule)
@@ -472,10 +471,9 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         with T.sblock("pv_amx"):
                             T.reads(VT[vb, vhk, 0:D, k0:k0 + BK], pp[0:BK // 2, 0:BQ], accT[0:D, 0:BQ], cfg[0:64])
                             T.writes(accT[0:D, 0:BQ])
-                            tile_gemm(lambda r, c: T.address_of(accT[r, c]), ROW * 4,
-                                      lambda r, c: T.address_of(VT[vb, vhk, r, k0 + c]), vt_row,
-                                      lambda r, c: T.address_of(pp[r, c]), ROW * 4, D, BQ, BK, True, "a")
-                release_tiles()
+                            unit.gemm(lambda r, c: accT[r, c], ROW * 4, lambda r, c: VT[vb, vhk, r, k0 + c], vt_row,
+                                      lambda r, c: pp[r, c], ROW * 4, D, BQ, BK, True, "a")
+                unit.release()
                 for i in T.serial(BQ):
                     with T.sblock("store_lse"):
                         vi = T.axis.remap("S", [i])

@@ -26,6 +26,9 @@ AMX_CPUS = ("sapphirerapids", "emeraldrapids", "graniterapids", "diamondrapids")
 # the decode benchmark ran 16-18% slower at 1k with them (Xeon, 2026-12-02; on the dev box's Intel
 # AMX core a zmm vdpbf16ps issues once every 2 cycles, FMAs twice a cycle); other CPUs unmeasured
 PAIR_DOT_CPUS = ("znver5",)
+# avx512_bf16 without AMX: their bf16 forward and backward run the AMX kernels' code with each
+# tile product on `vdpbf16ps` (amx.PAIR_DOTS)
+BF16_DOT_CPUS = ("cooperlake", "znver4", "znver5")
 AMX_KV_PAD = 256  # packed K / V^T rows per (batch, kv-head) are a multiple of this (block_k
 # up to 256: each kv block's P.V loads and stores the O^T tiles once, so longer blocks spend
 # fewer tile loads a score; Xeon, bf16 D = 128, L = 1024: 256-key blocks 1.05-1.12x faster than
@@ -64,6 +67,19 @@ def has_amx(target: dict) -> bool:
     return target.get("mcpu") in AMX_CPUS or "+amx-bf16" in target.get("mattr", [])
 
 
+def bf16_unit(target: dict):
+    """What the bf16 forward and backward kernels' GEMMs run on for `target`: AMX tiles, else
+    `vdpbf16ps` on CPUs with avx512_bf16 (BF16_DOT_CPUS), else None (the generic kernels'
+    fp32 FMAs)."""
+    from .amx import PAIR_DOTS, TILES
+
+    if has_amx(target):
+        return TILES
+    if target.get("mcpu") in BF16_DOT_CPUS or "+avx512bf16" in target.get("mattr", []):
+        return PAIR_DOTS
+    return None
+
+
 def takes_pair_dots(target: dict) -> bool:
     """Whether the split-KV decode's bf16 products run on `vdpbf16ps` (PAIR_DOT_CPUS)."""
     return target.get("mcpu") in PAIR_DOT_CPUS
@@ -81,15 +97,17 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
         for split in ("decode", "forward_split"):
             if split in funcs:
                 funcs[f"{split}_tiles"] = decode_amx_kernel(spec, f"{split}_tiles")
-    if has_amx(target) and amx_supported(spec) and not spec.kv_cache:
-        funcs["forward"] = forward_amx_kernel(spec, knobs["block_q"], knobs["block_k"], AMX_KV_PAD)
+    unit = bf16_unit(target)
+    if unit is not None and amx_supported(spec) and not spec.kv_cache:
+        funcs["forward"] = forward_amx_kernel(spec, knobs["block_q"], knobs["block_k"], AMX_KV_PAD, unit=unit)
         if knobs["long_block_q"] != knobs["block_q"]:
             funcs["forward_long"] = forward_amx_kernel(spec, knobs["long_block_q"], knobs["block_k"], AMX_KV_PAD,
-                                                       "forward_long")
+                                                       "forward_long", unit)
         funcs["forward_pack"] = forward_amx_pack_kernel(spec, AMX_KV_PAD)
         funcs["forward_pack_vt"] = forward_amx_pack_kernel(spec, AMX_KV_PAD, with_k=False)
         for plan in ("fused", "dkdv", "dq"):
-            funcs[f"backward_{plan}"] = backward_amx_kernel(spec, knobs["bwd_block_q"], knobs["bwd_block_k"], plan)
+            funcs[f"backward_{plan}"] = backward_amx_kernel(spec, knobs["bwd_block_q"], knobs["bwd_block_k"], plan,
+                                                            unit)
         funcs["backward_pack"] = backward_amx_pack_kernel(spec, AMX_KV_PAD)
     return funcs
 

@@ -44,7 +44,7 @@ def load(folder: Path) -> dict:
     module = build._load(folder / "mod.so", target)
     names = set(build.kernels_of(SPEC, target)) | set(build.CPU_OPTIONAL_KERNELS)
     kernels = {n: module[n] for n in names if module.implements_function(n, query_imports=True)}
-    if any(n in kernels for n in build.AMX_KERNELS) and not build.request_amx():
+    if build.uses_amx(target, kernels) and not build.request_amx():
         sys.exit(f"{folder}: its module runs on AMX, which this CPU or OS does not provide")
     return kernels
 

@@ -43,7 +43,9 @@ CPU_KERNELS = ("forward", "backward_delta", "backward_dkdv", "backward_dq",
 CPU_OPTIONAL_KERNELS = ("forward_pack", "forward_pack_vt", "forward_long", "backward_pack", "forward_split",
                         "forward_split_row", "forward_split_tiles", "forward_split_combine", "decode_row",
                         "decode_tiles")
-AMX_KERNELS = ("forward_pack", "decode_tiles", "forward_split_tiles")  # in every module that runs on AMX tiles
+# in every module that runs on AMX tiles (`forward_pack` also in those whose bf16 kernels take
+# avx512_bf16's pair products instead: see uses_amx)
+AMX_KERNELS = ("forward_pack", "decode_tiles", "forward_split_tiles")
 CUDA_KERNELS = ("forward", "backward_prep", "backward_dkdv_dq", "backward_dq_convert", "backward_dkdv",
                 "backward_dq")
 DECODE_KERNELS = ("decode", "decode_combine")  # a kv_cache spec's CPU module
@@ -135,6 +137,13 @@ def cpu_target() -> dict:
     if choice == "avx512" or (choice == "auto" and runs_avx512_amx()):
         return AVX512_TARGET
     return host_target()
+
+
+def uses_amx(target: dict, kernels) -> bool:
+    """Whether a module of `target` holding `kernels` (names) runs AMX tile instructions."""
+    from .schedules.avx512 import has_amx
+
+    return target["kind"] == "llvm" and has_amx(target) and any(name in kernels for name in AMX_KERNELS)
 
 
 def cuda_target(arch: str | None = None) -> dict:
@@ -438,7 +447,7 @@ def load_cached(spec: AttentionSpec, target: dict | None = None) -> dict:
             optional = CUDA_OPTIONAL_KERNELS if target["kind"] == "cuda" else CPU_OPTIONAL_KERNELS
             kernels.update((name, module[name]) for name in optional
                            if module.implements_function(name, query_imports=True))
-            if any(name in kernels for name in AMX_KERNELS) and not request_amx():
+            if uses_amx(target, kernels) and not request_amx():
                 raise RuntimeError(f"{spec.name} for {target_label(target)} runs on AMX, which this "
                                    "CPU or OS does not provide")
             _modules[key] = kernels
