@@ -1,4 +1,5 @@
-"""bf16 flash-attention backward on Intel AMX tiles, fp32 element-wise work on AVX512.
+"""bf16 flash-attention backward on Intel AMX tiles (or avx512_bf16's `vdpbf16ps` where there
+are none: `amx.MatrixUnit`), fp32 element-wise work on AVX512.
 
 Same plans, names and outputs as `kernels/backward.py` (fused: one task per (batch, kv-head)
 that also owns dQ; split: kv-block tasks for dK/dV plus q-block tasks for dQ), but all five

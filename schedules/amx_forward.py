@@ -1,8 +1,9 @@
 """bf16 flash-attention forward on Intel AMX tiles (`tdpbf16ps`), fp32 softmax on AVX512.
 
 Same algorithm and outputs as `forward.py` (one task per (batch, head, q-block), online softmax
-over S^T tiles), but both matmuls run on AMX tiles, which need their operands in particular
-layouts:
+over S^T tiles), but both matmuls run on AMX tiles (or, on avx512_bf16 CPUs without AMX, on
+`vdpbf16ps` register blocks that take the same operands: `amx.MatrixUnit`), which need their
+operands in particular layouts:
 
 - S^T = K Q^T (block_k x block_q): A = K rows as stored (16 keys x 32 dims per tile), B = Q^T
   in VNNI pairs, qp[d/2, i] = (q[i, d], q[i, d+1]) (packed once per task);

@@ -1,10 +1,12 @@
 """x86 AVX512 schedule (Sapphire Rapids class: 32 zmm registers; bf16 on AMX tiles where the
-target has them).
+target has them, else on avx512_bf16's `vdpbf16ps`).
 
 Which kernels a module holds depends on the target and spec: bf16 with a head dim that is a
-multiple of 32 on an AMX target gets the AMX forward (`amx_forward.py`: hand-mapped, as the CUDA kernels are) plus its K/V
-packing kernel; everything else (fp32, fp16 converted to fp32, the backward) runs the generic
-s_tir kernels on zmm FMAs. The rules come from `cpu_rules`, as for the host schedule; only the
+multiple of 32 on an AMX target gets the bf16 forward and backward (`amx_forward.py`,
+`amx_backward.py`: hand-mapped, as the CUDA kernels are) plus their K/V packing kernels; on an
+avx512_bf16 CPU without AMX (BF16_DOT_CPUS: Zen 4 / 5, Cooper Lake) the same kernels with their
+products on `vdpbf16ps` register blocks (`bf16_unit`); everything else (fp32, fp16 converted to
+fp32, other head dims) runs the generic s_tir kernels on zmm FMAs. The rules come from `cpu_rules`, as for the host schedule; only the
 vector length, the extra AMX-side blocks and the knob defaults differ. Knobs (names as in
 `host.py`, values for a spec tuned into `tuning_logs/avx512/`):
 
@@ -27,7 +29,8 @@ AMX_CPUS = ("sapphirerapids", "emeraldrapids", "graniterapids", "diamondrapids")
 # AMX core a zmm vdpbf16ps issues once every 2 cycles, FMAs twice a cycle); other CPUs unmeasured
 PAIR_DOT_CPUS = ("znver5",)
 # avx512_bf16 without AMX: their bf16 forward and backward run the AMX kernels' code with each
-# tile product on `vdpbf16ps` (amx.PAIR_DOTS)
+# tile product on `vdpbf16ps` (amx.PAIR_DOTS). Zen 5 dev box, 2 threads, same process: forward
+# 4.2-4.6x torch SDPA, backward 2.3-2.8x, where the generic kernels' fp32 FMAs gave 2.1x / 1.3-1.4x
 BF16_DOT_CPUS = ("cooperlake", "znver4", "znver5")
 AMX_KV_PAD = 256  # packed K / V^T rows per (batch, kv-head) are a multiple of this (block_k
 # up to 256: each kv block's P.V loads and stores the O^T tiles once, so longer blocks spend

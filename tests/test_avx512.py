@@ -2,9 +2,12 @@
 
 Build checks (`test_asm_*`, they need TVM's compiler) run everywhere, CI has no AVX512: the
 sapphirerapids modules compile and their assembly holds what the schedule intends (zmm FMAs; AMX
-tile products for the bf16 forward and backward).
+tile products for the bf16 forward and backward; `vdpbf16ps` for them on avx512_bf16 CPUs
+without AMX).
 The correctness matrix runs those modules against the float64 reference, on CPUs with AVX512 +
 AMX only (skipped elsewhere); TVMFLASH_CPU_TARGET=avx512 pins the path whatever `auto` picks.
+The bf16 tests also run the kernels' pair-dot unit (`bf16_unit` "avx512_bf16":
+TVMFLASH_CPU_TARGET=avx512_bf16, cooperlake modules) on CPUs with avx512_bf16.
 """
 import functools
 import re
@@ -15,7 +18,7 @@ import torch
 import tvmflash
 from tvmflash import AttentionSpec
 from tvmflash.build import has_compiler
-from tvmflash.cpu import runs_avx512_amx
+from tvmflash.cpu import cpu_flags, runs_avx512_amx
 from test_attention import DTYPES, check_against_reference, flash_run, make, masks
 from test_kvcache import check_kvcache
 from test_variants import alibi, flash_variant_run
@@ -130,6 +133,26 @@ def test_asm_decode_prefetches_rows_on_fmas_and_tiles():
     assert spr_asm(AttentionSpec("bfloat16", 64, causal="bottom_right"))["forward_split_tiles"].count("tdpbf16ps") >= 4
 
 
+def test_asm_bf16_without_amx_takes_pair_dots():
+    """On avx512_bf16 CPUs without AMX (Zen 4 here; schedules/avx512.BF16_DOT_CPUS) the bf16
+    forward and backward are the AMX kernels with each tile product on `vdpbf16ps` register
+    blocks (amx.PAIR_DOTS: 16 accumulators, A's pairs broadcast from memory); no tile code."""
+    from tvmflash.build import build_module
+
+    asm = build_module(AttentionSpec("bfloat16", 64, causal="bottom_right"),
+                       {"kind": "llvm", "mcpu": "znver4"}).mod.inspect_source("asm")
+    assert "tdpbf16ps" not in asm and "ldtilecfg" not in asm and "tilerelease" not in asm
+    bodies = {name: asm.split(f"\n{name}_compute_:", 1)[1].split("_compute_:", 1)[0]
+              for name in ("forward", "forward_long", "backward_fused", "backward_dkdv", "backward_dq")}
+    # a register block's 16 products per pair of the reduction, at least, per GEMM
+    for name, gemms in (("forward", 2), ("forward_long", 2), ("backward_fused", 5), ("backward_dkdv", 4),
+                        ("backward_dq", 3)):
+        assert bodies[name].count("vdpbf16ps") >= 16 * gemms, name
+        assert "vscalefps" in bodies[name] or name.startswith("backward"), name
+    assert re.search(r"vdpbf16ps\s+(?:-?0x[0-9a-f]+)?\(%\w+(?:,%\w+,\d)?\)\{1to16\}", asm) or \
+        "vbroadcastss" in bodies["forward"]  # A's pair broadcast (embedded or by one load)
+
+
 def test_asm_zen5_decode_takes_bf16_pair_products():
     """On Zen 5 (schedules/avx512.PAIR_DOT_CPUS) the 4-row and one-row decode kernels take bf16
     pairs on `vdpbf16ps` (V's rows of two keys interleaved by `vpermt2w`, P packed by
@@ -147,6 +170,21 @@ def test_asm_zen5_decode_takes_bf16_pair_products():
 
 
 needs_amx = pytest.mark.skipif(not runs_avx512_amx(), reason="CPU lacks AVX512 + AMX (or the OS denies AMX)")
+# the bf16 kernels' matrix units: AMX tiles (sapphirerapids modules) and avx512_bf16 pair dots
+# (cooperlake modules, which also run on AMX CPUs; scripts/device_prebuild_cpu.py builds only the
+# AMX modules, so where TVM is runtime only an AMX CPU checks just its own unit)
+PAIR_DOTS_RUN = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags() and (
+    has_compiler() or not runs_avx512_amx())
+BF16_UNITS = [pytest.param("avx512", id="amx", marks=needs_amx),
+              pytest.param("avx512_bf16", id="pair_dots", marks=pytest.mark.skipif(
+                  not PAIR_DOTS_RUN, reason="CPU lacks AVX512 + avx512_bf16 (or TVM is runtime only on an AMX CPU)"))]
+
+
+@pytest.fixture(params=BF16_UNITS)
+def bf16_unit(request, monkeypatch):
+    """Runs a bf16 test on each matrix unit this CPU has (TVMFLASH_CPU_TARGET)."""
+    monkeypatch.setenv("TVMFLASH_CPU_TARGET", request.param)
+    return request.param
 
 
 @pytest.fixture(autouse=True)
@@ -164,6 +202,20 @@ SPECS = [("bf16", 64, False), ("bf16", 64, True), ("bf16", 128, True), ("bf16", 
 @pytest.mark.parametrize("dtype,d,causal", SPECS, ids=lambda x: str(x))
 @pytest.mark.parametrize("lq,lk", SHAPES, ids=lambda x: str(x))
 def test_matrix(dtype, d, causal, lq, lk):
+    check_matrix_case(dtype, d, causal, lq, lk)
+
+
+@pytest.mark.parametrize("dtype,d,causal", [s for s in SPECS if s[0] == "bf16" and s[1] % 32 == 0], ids=str)
+@pytest.mark.parametrize("lq,lk", SHAPES, ids=lambda x: str(x))
+def test_matrix_pair_dots(dtype, d, causal, lq, lk, monkeypatch):
+    """The bf16 kernels on avx512_bf16 pair dots (test_matrix runs their AMX unit)."""
+    if not PAIR_DOTS_RUN:
+        pytest.skip("CPU lacks AVX512 + avx512_bf16 (or TVM is runtime only on an AMX CPU)")
+    monkeypatch.setenv("TVMFLASH_CPU_TARGET", "avx512_bf16")
+    check_matrix_case(dtype, d, causal, lq, lk)
+
+
+def check_matrix_case(dtype, d, causal, lq, lk):
     h, hk = [(4, 2), (6, 1), (3, 3)][(lq + d) % 3]
     q, k, v, dout = make(2, h, hk, lq, lk, d, DTYPES[dtype])
     check_against_reference(q, k, v, dout, flash_run(causal), causal="bottom_right" if causal else "none")
@@ -186,10 +238,9 @@ def test_masks(kind, dtype, causal):
         check_against_reference(q, k, v, dout, run, causal="top_left" if causal else "none", mask=mask)
 
 
-@needs_amx
-def test_decode_and_strided_inputs():
+def test_decode_and_strided_inputs(bf16_unit):
     """Lq = 1 against a long cache; q/k/v as strided views of packed tensors (K/V are packed
-    by the AMX path, never copied by the caller)."""
+    by the bf16 kernels' packs, never copied by the caller); both matrix units."""
     g = torch.Generator().manual_seed(5)
     kv = torch.randn(2, 1000, 2, 4, 128, generator=g).bfloat16()
     k, v = kv.unbind(2)
@@ -199,18 +250,31 @@ def test_decode_and_strided_inputs():
     check_against_reference(t(q), t(k), t(v), t(dout), flash_run(True), causal="bottom_right")
 
 
-@needs_amx
-def test_amx_path_is_taken():
+def test_bf16_path_is_taken(bf16_unit):
     from tvmflash import build
     from tvmflash.ops import _kernels
+    from tvmflash.schedules.amx import PAIR_DOTS, TILES
+    from tvmflash.schedules.avx512 import bf16_unit as unit_of
 
-    assert build.cpu_target() == build.AVX512_TARGET
+    target = build.cpu_target()
+    assert target == {"avx512": build.AVX512_TARGET, "avx512_bf16": build.AVX512_BF16_TARGET}[bf16_unit]
+    assert unit_of(target) is (TILES if bf16_unit == "avx512" else PAIR_DOTS)
     kernels = _kernels(AttentionSpec("bfloat16", 64), torch.device("cpu"))
     assert "forward_pack" in kernels and "backward_pack" in kernels and "forward_long" in kernels
 
 
-@needs_amx
-def test_amx_forward_for_long_keys():
+def test_zen_hosts_take_pair_dots():
+    """Zen 4 / 5 host targets (auto on those CPUs) take the pair-dot unit; AVX2 hosts neither."""
+    from tvmflash.schedules.amx import PAIR_DOTS, TILES
+    from tvmflash.schedules.avx512 import bf16_unit
+
+    assert bf16_unit({"kind": "llvm", "mcpu": "znver5"}) is PAIR_DOTS
+    assert bf16_unit({"kind": "llvm", "mcpu": "znver4"}) is PAIR_DOTS
+    assert bf16_unit({"kind": "llvm", "mcpu": "emeraldrapids"}) is TILES
+    assert bf16_unit({"kind": "llvm", "mcpu": "znver3"}) is None
+
+
+def test_bf16_forward_for_long_keys(bf16_unit):
     """Keys whose K and V^T packs pass AMX_LONG_KV_BYTES run `forward_long` (q-blocks of
     long_block_q rows) when there are AMX_LONG_MIN_QUERIES queries: GQA, causal with Lq != Lk,
     a partial last q-block and kv block."""
@@ -240,8 +304,7 @@ def test_long_keys_take_tall_q_blocks():
     assert ops._forward_kernel_name(kernels, q[:, :, :255], k) == "forward"
 
 
-@needs_amx
-def test_amx_forward_reads_whole_keys_in_place():
+def test_bf16_forward_reads_whole_keys_in_place(bf16_unit):
     """Keys that fill whole padded lengths (multiples of AMX_KV_PAD) are not copied: the
     forward's tile loads read K where it lies (here in flash-attn's (B, L, H, D) storage, rows
     H * D apart), only V^T is packed; both forwards, GQA, causal with Lq != Lk."""
@@ -264,7 +327,7 @@ def test_amx_forward_reads_whole_keys_in_place():
     check_against_reference(q, k, v, dout, flash_run(True), causal="bottom_right")
 
 
-# (causal, softcap, ALiBi slopes' kind) of test_amx_variants (scripts/device_prebuild_cpu.py builds them)
+# (causal, softcap, ALiBi slopes' kind) of test_bf16_variants (scripts/device_prebuild_cpu.py builds them)
 AMX_VARIANTS = [(False, 0.0, "h"), (True, 0.0, "bh"), (False, 20.0, None), (True, 5.0, None), (True, 5.0, "h")]
 
 
@@ -277,17 +340,16 @@ def amx_spec(causal, window, softcap, alibi_kind, dropout_p, d):
 
 
 def amx_variant_specs() -> set:
-    """The specs of test_amx_variants and test_amx_dropout."""
+    """The specs of test_bf16_variants and test_bf16_dropout."""
     return ({amx_spec(causal, (-1, -1), softcap, kind, 0.0, d) for causal, softcap, kind in AMX_VARIANTS
              for d in (64, 128)} | {amx_spec(*case) for case in AMX_DROPOUT})
 
 
-@needs_amx
 @pytest.mark.parametrize("causal,softcap,alibi_kind", AMX_VARIANTS, ids=lambda x: str(x))
 @pytest.mark.parametrize("lq,lk,d", [(1000, 1000, 64), (300, 700, 64), (700, 300, 128), (300, 2100, 128)],
                          ids=lambda x: str(x))
-def test_amx_variants(causal, softcap, alibi_kind, lq, lk, d):
-    """ALiBi and softcap on the AMX path (both forwards: 300 x 2100 takes forward_long): whole
+def test_bf16_variants(causal, softcap, alibi_kind, lq, lk, d, bf16_unit):
+    """ALiBi and softcap on the bf16 kernels, both matrix units (both forwards: 300 x 2100 takes forward_long): whole
     tiles on either side of ALiBi's diagonal take its split bias and a lone softcap's whole
     tiles their tanh in the exponent (amx_forward.exponent); the others, and softcap with
     ALiBi, go through the rewriting pass. Forward, lse, every gradient."""
@@ -326,12 +388,11 @@ AMX_DROPOUT_SHAPES = [[(300, 2100, "fused"), (203, 113, "split")], [(113, 203, "
                       [(113, 203, "fused"), (203, 113, "split")]]
 
 
-@needs_amx
 @pytest.mark.parametrize("causal,window,softcap,alibi_kind,dropout_p,d,lq,lk,plan",
                          [(*case, *shape) for case, shapes in zip(AMX_DROPOUT, AMX_DROPOUT_SHAPES) for shape in shapes],
                          ids=str)
-def test_amx_dropout(causal, window, softcap, alibi_kind, dropout_p, d, lq, lk, plan, monkeypatch):
-    """Dropout on the AMX path (Z multiplies P where the P.V operand is packed; the backward's
+def test_bf16_dropout(causal, window, softcap, alibi_kind, dropout_p, d, lq, lk, plan, monkeypatch, bf16_unit):
+    """Dropout on the bf16 kernels, both matrix units (Z multiplies P where the P.V operand is packed; the backward's
     dV and dS take it): forward (300 x 2100: forward_long), lse and every gradient against the
     float64 reference with the keep mask the call returns; both backward plans, GQA, with
     window, softcap and ALiBi."""
@@ -341,7 +402,7 @@ def test_amx_dropout(causal, window, softcap, alibi_kind, dropout_p, d, lq, lk, 
 
     monkeypatch.setenv("TVMFLASH_BACKWARD", plan)
     spec = amx_spec(causal, window, softcap, alibi_kind, dropout_p, d)
-    assert "forward_pack" in ops._kernels(spec, torch.device("cpu"))  # the AMX kernels take dropout
+    assert "forward_pack" in ops._kernels(spec, torch.device("cpu"))  # the bf16 kernels take dropout
     b, h = 2, 4
     q, k, v, dout = make(b, h, 2, lq, lk, d, torch.bfloat16, seed=lq + lk)
     slopes = alibi(alibi_kind, b, h) if alibi_kind else None
@@ -352,19 +413,17 @@ def test_amx_dropout(causal, window, softcap, alibi_kind, dropout_p, d, lq, lk, 
                             dropout_keep=keep_of_run(b, h, lq, lk, dropout_p))
 
 
-@needs_amx
 @pytest.mark.parametrize("plan", ["fused", "split"])
-def test_amx_backward_plans(plan, monkeypatch):
-    """Both backward plans of the AMX path (the matrix mostly takes the fused one), GQA, odd sizes."""
+def test_bf16_backward_plans(plan, monkeypatch, bf16_unit):
+    """Both backward plans of the bf16 kernels on each unit (the matrix mostly takes the fused one), GQA, odd sizes."""
     monkeypatch.setenv("TVMFLASH_BACKWARD", plan)
     q, k, v, dout = make(3, 4, 2, 77, 161, 128, torch.bfloat16)
     check_against_reference(q, k, v, dout, flash_run(True), causal="bottom_right")
 
 
-@needs_amx
 @pytest.mark.parametrize("direction", ["rising", "falling"])
-def test_amx_forward_running_max(direction):
-    """Scores that climb (or fall) steeply from kv block to kv block: the AMX forward moves its
+def test_bf16_forward_running_max(direction, bf16_unit):
+    """Scores that climb (or fall) steeply from kv block to kv block: the bf16 forward moves its
     running max only when a block passes it by more than GROW (then rescales and recomputes),
     and keeps probabilities up to 2^GROW otherwise; both paths against the reference."""
     g = torch.Generator().manual_seed(7)

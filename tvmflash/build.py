@@ -130,12 +130,24 @@ def host_target() -> dict:
 AVX512_TARGET = {"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 16}
 
 
+# AVX512 with avx512_bf16 and no AMX (the bf16 kernels' products on `vdpbf16ps`): an Intel
+# model, so that such modules also run on AMX Xeons (tests, A/Bs); Zen 4 / 5 hosts get their own
+# models from host_target(), which take the same kernels (schedules/avx512.BF16_DOT_CPUS)
+AVX512_BF16_TARGET = {"kind": "llvm", "mcpu": "cooperlake", "num-cores": 16}
+CPU_TARGET_CHOICES = ("auto", "avx512", "avx512_bf16", "host")
+
+
 def cpu_target() -> dict:
     """The target CPU tensors run on: AVX512_TARGET where this CPU runs it (AVX512 + AMX,
-    detected at run time), else host_target(). TVMFLASH_CPU_TARGET=avx512|host forces one."""
+    detected at run time), else host_target(). TVMFLASH_CPU_TARGET=avx512|avx512_bf16|host
+    forces one."""
     choice = os.environ.get("TVMFLASH_CPU_TARGET", "auto")
+    if choice not in CPU_TARGET_CHOICES:
+        raise ValueError(f"TVMFLASH_CPU_TARGET={choice!r}: expected one of {', '.join(CPU_TARGET_CHOICES)}")
     if choice == "avx512" or (choice == "auto" and runs_avx512_amx()):
         return AVX512_TARGET
+    if choice == "avx512_bf16":
+        return AVX512_BF16_TARGET
     return host_target()
 
 
