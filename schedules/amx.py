@@ -56,8 +56,20 @@ _DPBF16_IR = """define <16 x float> @tvmflash_dpbf16(<16 x float> %acc, <16 x i3
   ret <16 x float> %r
 }
 declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
+define <16 x i32> @tvmflash_pair_broadcast(ptr %row, i64 %i) #0 {
+  %p = getelementptr i32, ptr %row, i64 %i
+  %w = load i32, ptr %p, align 2
+  %v = insertelement <16 x i32> poison, i32 %w, i64 0
+  %b = shufflevector <16 x i32> %v, <16 x i32> poison, <16 x i32> zeroinitializer
+  ret <16 x i32> %b
+}
 attributes #0 = { alwaysinline nounwind "target-features"="+avx512f,+avx512bf16" }
 """
+
+
+def _pair_broadcast(row, i):
+    """Word i (a bf16 pair) of the row at address `row`, in all 16 lanes: one 32-bit load."""
+    return tirx.call_extern("uint32x16", "tvmflash_pair_broadcast", row, tirx.Cast("int64", i))
 
 
 def _dpbf16(acc, a, b):
@@ -285,41 +297,40 @@ def _vector(element, lanes: int):
     return tirx.BufferLoad(element.source, [*prefix, tirx.Ramp(last, 1, lanes)])
 
 
-def _pair_at(element):
-    """The bf16 pair (a 32-bit word) at `element`: a PAIR buffer's element, or two bf16 from it."""
-    if element.source.dtype == PAIR:
-        return element
-    return tirx.reinterpret(PAIR, tirx.reinterpret("uint16x2", _vector(element, 2)))
+def _row_addresses(a_at, r0, rows: int) -> list:
+    """Addresses of A's rows r0.. (column 0), bound once per register block: A's pairs loaded
+    by TIR loads, whose index expressions hold the task's coordinates, took TVM's LLVM codegen
+    ~20 s a kernel (the same kernels on tiles: ~5 s)."""
+    return [irb.bind(tirx.address_of(a_at(r0 + r, 0))) for r in range(rows)]
 
 
-def _pair_dot_step(acc, a_at, b_at, r0, c0, p, rows: int, vecs: int) -> None:
-    """acc[r, 16v : 16v + 16] += A's pair (r0 + r, 2p) . B's row p, columns c0 + 16v.., for
-    r < rows, v < vecs: one `vdpbf16ps` each (A's pair broadcast from memory)."""
+def _pair_dot_step(acc, a_rows, b_at, c0, p, vecs: int) -> None:
+    """acc[r][16v : 16v + 16] += A's pair (r, 2p) . B's row p, columns c0 + 16v.., for the
+    block's rows r (`a_rows`: their addresses) and v < vecs: one `vdpbf16ps` each."""
     b_rows = [irb.bind(tirx.reinterpret("uint32x16", _vector(b_at(p, c0 + v * 16), 16))) for v in range(vecs)]
-    for r in range(rows):
-        a = tirx.Broadcast(_pair_at(a_at(r0 + r, p * 2)), 16)
+    for r, row in enumerate(a_rows):
+        a = _pair_broadcast(row, p)
         for v in range(vecs):
             cols = tirx.Ramp(tirx.const(v * 16, "int32"), tirx.const(1, "int32"), 16)
-            irb.buffer_store(acc, _dpbf16(tirx.BufferLoad(acc, [tirx.const(r, "int32"), cols]), a, b_rows[v]),
-                             [tirx.const(r, "int32"), cols])
+            irb.buffer_store(acc[r], _dpbf16(tirx.BufferLoad(acc[r], [cols]), a, b_rows[v]), [cols])
 
 
 def _move_block(acc, c_at, r0, c0, rows: int, vecs: int, load: bool) -> None:
-    """acc <- C's block at (r0, c0) if `load`, else C's block <- acc."""
+    """acc (a buffer a row) <- C's block at (r0, c0) if `load`, else C's block <- acc."""
     for r in range(rows):
         for v in range(vecs):
             cols = tirx.Ramp(tirx.const(v * 16, "int32"), tirx.const(1, "int32"), 16)
             mem = _vector(c_at(r0 + r, c0 + v * 16), 16)
             if load:
-                irb.buffer_store(acc, mem, [tirx.const(r, "int32"), cols])
+                irb.buffer_store(acc[r], mem, [cols])
             else:
-                irb.buffer_store(mem.source, tirx.BufferLoad(acc, [tirx.const(r, "int32"), cols]), mem.indices)
+                irb.buffer_store(mem.source, tirx.BufferLoad(acc[r], [cols]), mem.indices)
 
 
-def _zero_block(acc, rows: int, vecs: int) -> None:
-    for r in range(rows):
-        irb.buffer_store(acc, tirx.Broadcast(tirx.const(0.0, F32), vecs * 16),
-                         [tirx.const(r, "int32"), tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), vecs * 16)])
+def _zero_block(acc, vecs: int) -> None:
+    for row in acc:
+        irb.buffer_store(row, tirx.Broadcast(tirx.const(0.0, F32), vecs * 16),
+                         [tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), vecs * 16)])
 
 
 PAIR_DOT_ACCUMULATORS = 16  # zmm accumulators of a register block (of 32): rows x vectors
@@ -329,10 +340,11 @@ PAIR_DOT_ACCUMULATORS = 16  # zmm accumulators of a register block (of 32): rows
 def pair_dot_gemm(c_at, c_ld, a_at, a_ld, b_at, b_ld, m, n, k, accumulate, rewalk=None):
     """`tile_gemm`'s product on `vdpbf16ps`, in register blocks of 16 accumulators (4 rows x 64
     columns where n allows, else 8 x 32) visited in `tile_gemm`'s order; the row strides are
-    the buffers' own."""
+    the buffers' own. The accumulators are a buffer a row (256 bytes: a stack slot, which LLVM
+    keeps in registers; one 1 KB buffer would be a heap workspace, kept in memory)."""
     vecs = T.meta_var(4 if n % 64 == 0 else 2)
     rows = T.meta_var(PAIR_DOT_ACCUMULATORS // vecs)
-    acc = T.sblock_alloc_buffer((rows, vecs * 16), F32, scope="local")
+    acc = T.meta_var([T.sblock_alloc_buffer((vecs * 16,), F32) for _ in range(rows)])
     a_again = T.meta_var((m < n) if rewalk is None else rewalk == "a")
     for outer, inner in T.grid((n // (vecs * 16)) if a_again else (m // rows),
                                (m // rows) if a_again else (n // (vecs * 16))):
@@ -341,9 +353,10 @@ def pair_dot_gemm(c_at, c_ld, a_at, a_ld, b_at, b_ld, m, n, k, accumulate, rewal
         if accumulate:
             _move_block(acc, c_at, r0, c0, rows, vecs, True)
         else:
-            _zero_block(acc, rows, vecs)
+            _zero_block(acc, vecs)
+        a_rows = T.meta_var(_row_addresses(a_at, r0, rows))
         for p in T.serial(k // 2, annotations={"pragma_import_llvm": _DPBF16_IR}):
-            _pair_dot_step(acc, a_at, b_at, r0, c0, p, rows, vecs)
+            _pair_dot_step(acc, a_rows, b_at, c0, p, vecs)
         _move_block(acc, c_at, r0, c0, rows, vecs, False)
 
 
