@@ -4,7 +4,7 @@ target has them, else on avx512_bf16's `vdpbf16ps`).
 Which kernels a module holds depends on the target and spec: bf16 with a head dim that is a
 multiple of 32 on an AMX target gets the bf16 forward and backward (`amx_forward.py`,
 `amx_backward.py`: hand-mapped, as the CUDA kernels are) plus their K/V packing kernels; on an
-avx512_bf16 CPU without AMX (BF16_DOT_CPUS: Zen 4 / 5, Cooper Lake) the same kernels with their
+avx512_bf16 CPU without AMX (BF16_DOT_CPUS: Zen 4 / 5) the same kernels with their
 products on `vdpbf16ps` register blocks (`bf16_unit`); everything else (fp32, fp16 converted to
 fp32, other head dims) runs the generic s_tir kernels on zmm FMAs. The rules come from `cpu_rules`, as for the host schedule; only the
 vector length, the extra AMX-side blocks and the knob defaults differ. Knobs (names as in
@@ -28,10 +28,15 @@ AMX_CPUS = ("sapphirerapids", "emeraldrapids", "graniterapids", "diamondrapids")
 # the decode benchmark ran 16-18% slower at 1k with them (Xeon, 2026-12-02; on the dev box's Intel
 # AMX core a zmm vdpbf16ps issues once every 2 cycles, FMAs twice a cycle); other CPUs unmeasured
 PAIR_DOT_CPUS = ("znver5",)
-# avx512_bf16 without AMX: their bf16 forward and backward run the AMX kernels' code with each
-# tile product on `vdpbf16ps` (amx.PAIR_DOTS). Zen 5 dev box, 2 threads, same process: forward
-# 4.2-4.6x torch SDPA, backward 2.3-2.8x, where the generic kernels' fp32 FMAs gave 2.1x / 1.3-1.4x
-BF16_DOT_CPUS = ("cooperlake", "znver4", "znver5")
+# avx512_bf16 without AMX, AMD: their bf16 forward and backward run the AMX kernels' code with
+# each tile product on `vdpbf16ps` (amx.PAIR_DOTS; Zen 4 / 5 issue it as fast as a zmm FMA, two
+# fp32 products a lane). Zen 5 dev box, 2 threads, same process: forward 3.8-4.7x torch SDPA,
+# backward 2.3-2.8x, where the generic kernels' fp32 FMAs gave 2.1x / 1.3-1.4x. Not Intel's
+# Cooper Lake: on the Xeon (Emerald Rapids) the same modules ran 0.22-0.30x torch forward, a fifth
+# of the AMX kernels' speed (`vdpbf16ps` issues once every 2 cycles there, half the FMAs' rate;
+# benchmarks/results/cpu-xeon-16core-bf16-units-ab.jsonl), so Intel CPUs without AMX keep the
+# FMA kernels. A target can still ask for pair dots by naming +avx512bf16 in its mattr.
+BF16_DOT_CPUS = ("znver4", "znver5")
 AMX_KV_PAD = 256  # packed K / V^T rows per (batch, kv-head) are a multiple of this (block_k
 # up to 256: each kv block's P.V loads and stores the O^T tiles once, so longer blocks spend
 # fewer tile loads a score; Xeon, bf16 D = 128, L = 1024: 256-key blocks 1.05-1.12x faster than

@@ -272,6 +272,10 @@ def test_zen_hosts_take_pair_dots():
     assert bf16_unit({"kind": "llvm", "mcpu": "znver4"}) is PAIR_DOTS
     assert bf16_unit({"kind": "llvm", "mcpu": "emeraldrapids"}) is TILES
     assert bf16_unit({"kind": "llvm", "mcpu": "znver3"}) is None
+    # Intel's vdpbf16ps issues at half the FMAs' rate: Cooper Lake keeps the FMA kernels unless
+    # the target names the feature (TVMFLASH_CPU_TARGET=avx512_bf16)
+    assert bf16_unit({"kind": "llvm", "mcpu": "cooperlake"}) is None
+    assert bf16_unit({"kind": "llvm", "mcpu": "cooperlake", "mattr": ["+avx512bf16"]}) is PAIR_DOTS
 
 
 def test_bf16_forward_for_long_keys(bf16_unit):

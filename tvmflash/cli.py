@@ -281,6 +281,20 @@ def plot(results: Annotated[Path, typer.Argument(help="A results JSON written by
     print(plot_results(results))
 
 
+def _bf16_unit_name(target: dict) -> str | None:
+    """What the CPU target's bf16 kernels multiply on ("amx", "avx512_bf16"); None for the
+    generic FMA kernels, or where the schedules cannot be imported (TVM runtime only)."""
+    from tvmflash import build
+
+    if not build.has_compiler():
+        return None
+    from tvmflash.schedules import cpu_schedule
+    from tvmflash.schedules.avx512 import bf16_unit
+
+    unit = bf16_unit(target) if cpu_schedule(target).__name__.endswith("avx512") else None
+    return unit.name if unit else None
+
+
 @app.command()
 def info() -> None:
     """This machine's targets (CPU features, GPU), TVM (compiler or runtime only), the module
@@ -301,7 +315,8 @@ def info() -> None:
     table.add_row("cpu", f"{m['cpu_model']} ({m['cpu_count']} logical cores)")
     table.add_row("cpu features", " ".join(f"{flag}:{'yes' if on else 'no'}" for flag, on in m["cpu_flags"].items()))
     try:
-        cpu = build.target_label(build.cpu_target())
+        target = build.cpu_target()
+        cpu = build.target_label(target) + (f" (bf16 kernels on {unit})" if (unit := _bf16_unit_name(target)) else "")
     except RuntimeError as err:  # runtime only, nothing exported for this CPU
         cpu = f"none ({err})"
     table.add_row("cpu target", cpu)
