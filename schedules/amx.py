@@ -21,7 +21,7 @@ from tvm.script.ir_builder import tirx as irb
 
 from .. import rng
 from ..kernels.common import F32
-from ..kernels.decode import PairDot
+from ..kernels.decode import PairDot, lanes
 from ..kernels.dropout import philox_ops
 
 BF16 = "bfloat16"
@@ -311,7 +311,7 @@ def _pair_dot_step(acc, a_rows, b_at, c0, p, vecs: int) -> None:
     for r, row in enumerate(a_rows):
         a = _pair_broadcast(row, p)
         for v in range(vecs):
-            cols = tirx.Ramp(tirx.const(v * 16, "int32"), tirx.const(1, "int32"), 16)
+            cols = lanes(tirx.const(v * 16, "int32"))
             irb.buffer_store(acc[r], _dpbf16(tirx.BufferLoad(acc[r], [cols]), a, b_rows[v]), [cols])
 
 
@@ -319,7 +319,7 @@ def _move_block(acc, c_at, r0, c0, rows: int, vecs: int, load: bool) -> None:
     """acc (a buffer a row) <- C's block at (r0, c0) if `load`, else C's block <- acc."""
     for r in range(rows):
         for v in range(vecs):
-            cols = tirx.Ramp(tirx.const(v * 16, "int32"), tirx.const(1, "int32"), 16)
+            cols = lanes(tirx.const(v * 16, "int32"))
             mem = _vector(c_at(r0 + r, c0 + v * 16), 16)
             if load:
                 irb.buffer_store(acc[r], mem, [cols])

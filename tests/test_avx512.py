@@ -175,9 +175,10 @@ needs_amx = pytest.mark.skipif(not runs_avx512_amx(), reason="CPU lacks AVX512 +
 # AMX modules, so where TVM is runtime only an AMX CPU checks just its own unit)
 PAIR_DOTS_RUN = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags() and (
     has_compiler() or not runs_avx512_amx())
+needs_pair_dots = pytest.mark.skipif(not PAIR_DOTS_RUN,
+                                     reason="CPU lacks AVX512 + avx512_bf16 (or TVM is runtime only on an AMX CPU)")
 BF16_UNITS = [pytest.param("avx512", id="amx", marks=needs_amx),
-              pytest.param("avx512_bf16", id="pair_dots", marks=pytest.mark.skipif(
-                  not PAIR_DOTS_RUN, reason="CPU lacks AVX512 + avx512_bf16 (or TVM is runtime only on an AMX CPU)"))]
+              pytest.param("avx512_bf16", id="pair_dots", marks=needs_pair_dots)]
 
 
 @pytest.fixture(params=BF16_UNITS)
@@ -205,12 +206,11 @@ def test_matrix(dtype, d, causal, lq, lk):
     check_matrix_case(dtype, d, causal, lq, lk)
 
 
+@needs_pair_dots
 @pytest.mark.parametrize("dtype,d,causal", [s for s in SPECS if s[0] == "bf16" and s[1] % 32 == 0], ids=str)
 @pytest.mark.parametrize("lq,lk", SHAPES, ids=lambda x: str(x))
 def test_matrix_pair_dots(dtype, d, causal, lq, lk, monkeypatch):
     """The bf16 kernels on avx512_bf16 pair dots (test_matrix runs their AMX unit)."""
-    if not PAIR_DOTS_RUN:
-        pytest.skip("CPU lacks AVX512 + avx512_bf16 (or TVM is runtime only on an AMX CPU)")
     monkeypatch.setenv("TVMFLASH_CPU_TARGET", "avx512_bf16")
     check_matrix_case(dtype, d, causal, lq, lk)
 

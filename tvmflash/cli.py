@@ -288,10 +288,9 @@ def _bf16_unit_name(target: dict) -> str | None:
 
     if not build.has_compiler():
         return None
-    from tvmflash.schedules import cpu_schedule
     from tvmflash.schedules.avx512 import bf16_unit
 
-    unit = bf16_unit(target) if cpu_schedule(target).__name__.endswith("avx512") else None
+    unit = bf16_unit(target) if build._tuning_kind(target) == "avx512" else None  # the avx512 schedule's
     return unit.name if unit else None
 
 
