@@ -5,7 +5,7 @@ more than the changes measured). Build each version's module into a folder from 
 then time the folders together (on the Xeon: carry them, TVM's runtime is enough).
 
     python scripts/decode_ab.py build DIR [--target avx512|host]   # this checkout's module -> DIR/mod.so
-    python scripts/decode_ab.py run DIR_A DIR_B ... [--lengths 1024,4096] [--same-page] [--out F.jsonl]
+    python scripts/decode_ab.py run DIR_A DIR_B ... [--lengths 1024,4096] [--same-page] [--num-splits N] [--out F.jsonl]
 
 `--same-page` points every page-table entry at one page: nothing comes from memory, so the
 times are the kernels' compute. Speedups are against the first folder's module.
@@ -22,6 +22,7 @@ import torch
 import tvmflash
 from tvmflash import AttentionSpec, build, ops
 from tvmflash.bench import _interleaved_median_ms, machine_info
+from tvmflash.schedules import host
 
 SPEC = replace(AttentionSpec("bfloat16", 128), kv_cache=True)
 PAGES = (16, 256)
@@ -35,7 +36,14 @@ def build_into(folder: Path, target: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     build.build_module(SPEC, target).export_library(str(folder / "mod.so"))
     (folder / "target.json").write_text(json.dumps(target))
+    (folder / "kv_heads.json").write_text(json.dumps(getattr(host, "SPLIT_KV_HEADS", 1)))
     print(f"{folder / 'mod.so'}: {SPEC.name} for {build.target_label(target)}")
+
+
+def kv_heads_of(folder: Path) -> int:
+    """The kv-heads a task of folder/mod.so's split-KV kernels takes (1 before they took more)."""
+    path = folder / "kv_heads.json"
+    return json.loads(path.read_text()) if path.exists() else 1
 
 
 def load(folder: Path) -> dict:
@@ -50,12 +58,14 @@ def load(folder: Path) -> dict:
 
 
 def run(folders: list[Path], lengths: list[int], batch: int, heads: int, heads_k: int, lq: int, same_page: bool,
-        out: Path | None) -> None:
+        out: Path | None, num_splits: int = 0) -> None:
     modules = {f.name: load(f) for f in folders}
+    kv_heads = {f.name: kv_heads_of(f) for f in folders}
     key = (SPEC, torch.device("cpu"), os.environ.get("TVMFLASH_CPU_TARGET", "auto"))  # ops._kernels' cache key
 
     def using(name):
         ops._loaded[key] = modules[name]
+        host.SPLIT_KV_HEADS = kv_heads[name]  # the splits ops chooses depend on it
         ops._decode_plans.clear()  # a plan keeps its kernel: swap both
 
     g = torch.Generator().manual_seed(0)
@@ -70,7 +80,8 @@ def run(folders: list[Path], lengths: list[int], batch: int, heads: int, heads_k
             seqlens = torch.full((batch,), length, dtype=torch.int32)
 
             def call():
-                return tvmflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table)
+                return tvmflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table,
+                                                        num_splits=num_splits)
 
             outputs = {}
             for name in modules:
@@ -89,7 +100,7 @@ def run(folders: list[Path], lengths: list[int], batch: int, heads: int, heads_k
             ms = {name: t / 5 for name, t in _interleaved_median_ms({n: timed(n) for n in modules}, rounds=7, iters=3,
                                                                      device="cpu").items()}
             row = {"length": length, "page": page, "batch": batch, "heads": heads, "heads_k": heads_k, "lq": lq,
-                   "same_page": same_page, "ms": ms, "speedup": {n: ms[first] / t for n, t in ms.items()},
+                   "same_page": same_page, "num_splits": num_splits, "ms": ms, "speedup": {n: ms[first] / t for n, t in ms.items()},
                    "max_diff_vs_first": diffs}
             print(json.dumps(row), flush=True)
             if out:
@@ -111,6 +122,7 @@ def main() -> None:
     r.add_argument("--heads", default="32,8", help="query heads, kv-heads")
     r.add_argument("--lq", type=int, default=1)
     r.add_argument("--same-page", action="store_true", help="every page-table entry one page (compute only)")
+    r.add_argument("--num-splits", type=int, default=0, help="flash_attn_with_kvcache's (0: automatic)")
     r.add_argument("--out", type=Path, help="append the rows to this JSON-lines file")
     args = parser.parse_args()
     if args.command == "build":
@@ -118,7 +130,7 @@ def main() -> None:
     else:
         heads, heads_k = (int(x) for x in args.heads.split(","))
         run(args.folders, [int(x) for x in args.lengths.split(",")], args.batch, heads, heads_k, args.lq,
-            args.same_page, args.out)
+            args.same_page, args.out, args.num_splits)
 
 
 if __name__ == "__main__":

@@ -188,8 +188,13 @@ def test_cpu_split_counts(monkeypatch):
     assert ops._cpu_splits(1, 1, 1, 1, 100, requested=1) == 1
     # the kernel by rows a kv-head: one row, up to 4 on FMAs, more on AMX tiles where the module has them
     kern = {"decode": "fma", "decode_row": "row", "decode_tiles": "tiles"}
-    assert [ops._split_kernel(kern, "decode", rows) for rows in (1, 4, 5)] == [("row", 4), ("fma", 4), ("tiles", 16)]
-    assert ops._split_kernel({"decode": "fma"}, "decode", 16) == ("fma", 4)
+    assert [ops._split_kernel(kern, "decode", rows) for rows in (1, 4, 5)] == [("row", 4, 8), ("fma", 4, 8),
+                                                                                 ("tiles", 16, 1)]
+    assert ops._split_kernel({"decode": "fma"}, "decode", 16) == ("fma", 4, 8)
+    # FMA tasks take 8 kv-heads: 16 tasks for 16 threads
+    assert ops._cpu_splits(16, 32, 8, 1, 4096, task_kv_heads=8) == 2
+    assert ops._cpu_splits(1, 16, 16, 1, 1024, task_kv_heads=8) == 16  # 2 tasks (8 + 8 kv-heads)
+    assert ops._cpu_splits(1, 12, 12, 1, 4096, task_kv_heads=8) == 16  # 2 tasks (8 + 4 kv-heads)
     # the AMX decode's tasks hold 16 rows: 8 kv-heads x 4 blocks, 32 tasks for 16 threads
     assert ops._cpu_splits(1, 32, 8, 16, 1024, task_rows=16) == 1
     assert ops._cpu_splits(1, 32, 8, 4, 4096, task_rows=16) == 4  # 8 tasks: 4 splits

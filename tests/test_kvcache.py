@@ -153,13 +153,19 @@ def test_kvcache_decode_odd_groups_and_head_dims():
     O columns): a group of 5 query heads (a full block and a short one whose repeated rows
     must not be stored), a head dim of 80 (not a multiple of the value pass's 64 columns on
     AVX512), thousands of keys in many blocks over several splits, the automatic splits; one
-    query row a kv-head (MHA decode: the one-row kernel)."""
+    query row a kv-head (MHA decode: the one-row kernel); kv-heads in groups (a task's) and a
+    short last group."""
     check_kvcache("paged16", False, (-1, -1), None, 1, 0, heads=(5, 1), d=80, capacity=2100,
                   lengths=(2050, 3, 700), num_splits=3)
     check_kvcache("paged16", True, (-1, -1), None, 3, 0, heads=(5, 1), d=80, capacity=2100,
                   lengths=(2050, 3, 700))
     check_kvcache("paged16", False, (-1, -1), None, 1, 0, heads=(3, 3), d=80, capacity=2100,
                   lengths=(2050, 3, 700))
+    # more kv-heads than a task takes (8): a full group and a short one, 4-row and one-row kernels
+    check_kvcache("paged16", False, (-1, -1), None, 1, 0, heads=(20, 10), d=80, capacity=300,
+                  lengths=(290, 3, 100), num_splits=2)
+    check_kvcache("paged16", True, (-1, -1), None, 1, 0, heads=(11, 11), d=80, capacity=300,
+                  lengths=(290, 3, 100))
 
 
 @pytest.mark.parametrize("heads", [(8, 2), (3, 3)])

@@ -268,8 +268,8 @@ def _forward_split(kern: dict, q, k, v, out, lse, scale, mod_args) -> None:
     merged (a single split writes out and lse itself). The kernel depends on the rows a
     kv-head has (`_split_kernel`)."""
     B, H, Lq, D = q.shape
-    split, rows = _split_kernel(kern, "forward_split", H // k.shape[1] * Lq)
-    splits = _cpu_splits(B, H, k.shape[1], Lq, k.shape[2], task_rows=rows)
+    split, rows, kv_heads = _split_kernel(kern, "forward_split", H // k.shape[1] * Lq)
+    splits = _cpu_splits(B, H, k.shape[1], Lq, k.shape[2], task_rows=rows, task_kv_heads=kv_heads)
     o_part = torch.empty((B, H, splits, Lq, D), dtype=torch.float32)
     lse_part = torch.empty((B, H, splits, Lq), dtype=torch.float32)
     split(q, k, v, o_part, lse_part, out, lse, scale, *mod_args)
@@ -331,8 +331,8 @@ def _decode_plan(q: torch.Tensor, heads_k: int, page_size: int, capacity: int, c
     if q.is_cuda:
         splits = cuda_decode_splits(q.device, row_blocks, capacity, per_sm[phase], num_splits)
     else:
-        split, rows = _split_kernel(kern, "decode", H // heads_k * Lq)
-        splits = _cpu_splits(B, H, heads_k, Lq, capacity, num_splits, rows)
+        split, rows, kv_heads = _split_kernel(kern, "decode", H // heads_k * Lq)
+        splits = _cpu_splits(B, H, heads_k, Lq, capacity, num_splits, rows, kv_heads)
     scratch = (torch.empty((B, H, splits, Lq, D), dtype=torch.float32, device=q.device),
                torch.empty((B, H, splits, Lq), dtype=torch.float32, device=q.device))
     if q.is_cuda:
@@ -388,30 +388,33 @@ def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _split_kernel(kern: dict, name: str, rows_per_kv_head: int) -> tuple:
-    """(kernel, query rows a task) of the split-KV forward `name` for `rows_per_kv_head` query
-    rows (a kv-head's heads x queries): its one-row variant (`name`_row, CPU modules) for one
-    row (MHA decode), its AMX variant (`name`_tiles, bf16 on AMX CPUs: SPLIT_AMX_ROWS rows a
-    task) for more than SPLIT_BLOCK_ROWS, else `name` (zmm FMAs, SPLIT_BLOCK_ROWS rows a task).
+    """(kernel, query rows a task, kv-heads a task) of the split-KV forward `name` for
+    `rows_per_kv_head` query rows (a kv-head's heads x queries): its one-row variant (`name`_row,
+    CPU modules) for one row (MHA decode), its AMX variant (`name`_tiles, bf16 on AMX CPUs:
+    SPLIT_AMX_ROWS rows of one kv-head a task) for more than SPLIT_BLOCK_ROWS, else `name` (zmm
+    FMAs, SPLIT_BLOCK_ROWS rows of each of SPLIT_KV_HEADS kv-heads a task).
     Xeon, bf16 B = 16, H = 32, Hk = 8, D = 128, same process: 4 rows (Lq = 1) 1.09-1.20x faster
     on FMAs than on tiles; 16 rows (Lq = 4) 2.6-3.2x faster on tiles, 64 rows (Lq = 16)
     2.8-3.2x (benchmarks/results/cpu-xeon-16core-decode-tiles.jsonl)."""
-    from .schedules.host import SPLIT_AMX_ROWS, SPLIT_BLOCK_ROWS
+    from .schedules.host import SPLIT_AMX_ROWS, SPLIT_BLOCK_ROWS, SPLIT_KV_HEADS
 
     if rows_per_kv_head == 1:
-        return kern.get(f"{name}_row", kern[name]), SPLIT_BLOCK_ROWS
+        return kern.get(f"{name}_row", kern[name]), SPLIT_BLOCK_ROWS, SPLIT_KV_HEADS
     if rows_per_kv_head > SPLIT_BLOCK_ROWS and f"{name}_tiles" in kern:
-        return kern[f"{name}_tiles"], SPLIT_AMX_ROWS
-    return kern[name], SPLIT_BLOCK_ROWS
+        return kern[f"{name}_tiles"], SPLIT_AMX_ROWS, 1
+    return kern[name], SPLIT_BLOCK_ROWS, SPLIT_KV_HEADS
 
 
-def _cpu_splits(B: int, H: int, Hk: int, Lq: int, keys: int, requested: int = 0, task_rows: int = 4) -> int:
+def _cpu_splits(B: int, H: int, Hk: int, Lq: int, keys: int, requested: int = 0, task_rows: int = 4,
+                task_kv_heads: int = 1) -> int:
     """Key splits of the CPU split-KV forward: `requested`, or (0) enough for about two tasks
-    per thread (a task: `task_rows` of a kv-head's query rows, `_split_kernel`) and at most
-    SPLIT_TASK_KEYS keys a task; at most one split per kv-block of `keys`."""
+    per thread (a task: `task_rows` of the query rows of each of `task_kv_heads` kv-heads,
+    `_split_kernel`) and at most SPLIT_TASK_KEYS keys a task; at most one split per kv-block
+    of `keys`."""
     from .schedules.host import SPLIT_BLOCK_K, SPLIT_TASK_KEYS
 
     if requested <= 0:
-        tasks = B * Hk * -(-(H // Hk) * Lq // task_rows)  # before splitting the keys
+        tasks = B * -(-Hk // task_kv_heads) * -(-(H // Hk) * Lq // task_rows)  # before splitting the keys
         requested = max(-(-2 * torch.get_num_threads() // tasks), -(-keys // SPLIT_TASK_KEYS))
     return max(1, min(requested, -(-keys // SPLIT_BLOCK_K)))
 

@@ -123,11 +123,11 @@ def declare_split_args(spec: AttentionSpec, shape: Shape, splits: tirx.Var):
     return (*declare_forward_args(spec, shape, splits), None)
 
 
-def task_keys(buf, cache, shape: Shape, b, hk, head_dim: int):
-    """The region of K or V the task of (b, hk) may read."""
+def task_keys(buf, cache, shape: Shape, b, heads: slice, head_dim: int):
+    """The region of K or V the task of batch entry b and kv-heads `heads` may read."""
     if cache is None:
-        return buf[b, hk, 0:shape.seqlen_k, 0:head_dim]
-    return buf[0:cache.num_pages, 0:cache.page_size, hk, 0:head_dim]
+        return buf[b, heads, 0:shape.seqlen_k, 0:head_dim]
+    return buf[0:cache.num_pages, 0:cache.page_size, heads, 0:head_dim]
 
 
 def sequence(score: ScorePipeline, cache, b, seqlen_q):
@@ -178,13 +178,16 @@ def key_positions(where, slot, cache, b, k0, clamp, block_k):
                 "int32", clamp(k0 + g * PAGE_ALIGN + j) - clamp(k0 + g * PAGE_ALIGN))
 
 
-def task_regions(Q, K, V, outputs, cache, shape: Shape, b, split, hk, head_dim: int):
-    """(reads, writes) of the task of (b, split, hk): its query heads' q and the keys it may read;
-    their partial and final outputs (`outputs`: O, O_FINAL, LSE, LSE_FINAL)."""
+def task_regions(Q, K, V, outputs, cache, shape: Shape, b, split, hk, head_dim: int, kv_heads=1):
+    """(reads, writes) of the task of (b, split) and kv-heads [hk, hk + kv_heads) (clipped to
+    the kv-heads): its query heads' q and the keys it may read; their partial and final outputs
+    (`outputs`: O, O_FINAL, LSE, LSE_FINAL)."""
     G, LQ, D = shape.heads // shape.heads_k, shape.seqlen_q, head_dim
-    heads = slice(hk * G, hk * G + G)
+    hk_end = hk + 1 if kv_heads == 1 else tirx.min(hk + kv_heads, shape.heads_k)
+    kv = slice(hk, hk_end)
+    heads = slice(hk * G, hk_end * G)
     O, O_FINAL, LSE, LSE_FINAL = outputs
-    reads = [Q[b, heads, 0:LQ, 0:D], task_keys(K, cache, shape, b, hk, D), task_keys(V, cache, shape, b, hk, D)]
+    reads = [Q[b, heads, 0:LQ, 0:D], task_keys(K, cache, shape, b, kv, D), task_keys(V, cache, shape, b, kv, D)]
     writes = [O[b, heads, split, 0:LQ, 0:D], LSE[b, heads, split, 0:LQ], O_FINAL[b, heads, 0:LQ, 0:D],
               LSE_FINAL[b, heads, 0:LQ]]
     return reads, writes
@@ -310,21 +313,24 @@ def store_paired_row(dst, base, c, chunk):
     irb.buffer_store(dst, odd, [tirx.Ramp(start + 16, 1, 16)])
 
 
-def pair_dot_sum(pair_dot: PairDot, a, r, b, chunks: int):
-    """sum over c < chunks of pair_dot.dot(a[r, 16c : 16c + 16], b[16c : 16c + 16]): a row's 16-lane
+def pair_dot_sum(pair_dot: PairDot, a, row: tuple, b, chunks: int):
+    """sum over c < chunks of pair_dot.dot(a[*row, 16c : 16c + 16], b[16c : 16c + 16]): a row's 16-lane
     products of pairs (its lane sums are its dot product with b)."""
     acc = tirx.Broadcast(tirx.const(0, F32), LANES)
     for c in range(chunks):
         chunk = lanes(tirx.const(c * LANES, "int32"))
-        acc = pair_dot.dot(acc, tirx.BufferLoad(a, [r, chunk]), tirx.BufferLoad(b, [chunk]))
+        acc = pair_dot.dot(acc, tirx.BufferLoad(a, [*row, chunk]), tirx.BufferLoad(b, [chunk]))
     return acc
 
 
 def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int = 64,
-                         value_cols: int = 64, pair_dot: PairDot | None = None) -> tirx.PrimFunc:
-    """Tasks over (batch, split, kv-head, block of `block_rows` query rows), in that order (a
-    thread runs a contiguous range of tasks: the kv-heads of one split's keys, which share
-    pages). The rows of a kv-head are its query heads' queries (G x Lq for GQA). A task
+                         value_cols: int = 64, pair_dot: PairDot | None = None, kv_heads: int = 1) -> tirx.PrimFunc:
+    """Tasks over (batch, split, group of `kv_heads` kv-heads, block of `block_rows` query rows
+    of each), in that order (a thread runs a contiguous range of tasks: the kv-heads of one
+    split's keys, which share pages). A task takes each kv-block's keys for its kv-heads in
+    turn, so that its reads run along whole token rows (a key's kv-heads lie together in the
+    cache) and a page is looked up once for them all. The rows of a kv-head are its query
+    heads' queries (G x Lq for GQA). A task
     computes all its `block_rows` rows (a short last block repeats its last row, whose results
     are not stored): no branches in the loops over keys, so LLVM keeps the rows' q in registers
     for the scores and their O columns in registers while a pass over the block's values adds
@@ -333,7 +339,7 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
     both products take bf16 pairs as they lie: q . k 32 dims an instruction (q unscaled: the
     scale goes to the scores), P V two keys an instruction (P rounded to bf16 as for a bf16
     matmul, V's rows of two keys interleaved by `key_pairs`)."""
-    D, RB, BK = spec.head_dim, block_rows, block_k
+    D, RB, BK, HT = spec.head_dim, block_rows, block_k, kv_heads
     DV = math.gcd(D, value_cols)  # columns of O a value pass keeps in registers
     VL = LANES if D % LANES == 0 else 1  # head dims that are not multiples of 16: scalar lanes
     BF16_CHUNKS = spec.dtype == "bfloat16" and VL == LANES and D % PAIR_CHUNK == 0 and DV % PAIR_CHUNK == 0
@@ -391,19 +397,20 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
             declare_split_args(spec, shape, S))
         G = T.meta_var(H // HK)
         NRB = T.meta_var((G * LQ + RB - 1) // RB)  # row blocks per kv-head
-        for t in T.parallel(B * S * HK * NRB):
+        NHG = T.meta_var((HK + HT - 1) // HT)  # groups of kv-heads
+        for t in T.parallel(B * S * NHG * NRB):
             with T.sblock("dec_task"):
-                vb = T.axis.spatial(B, t // (S * HK * NRB))
-                vs = T.axis.spatial(S, t // (HK * NRB) % S)
-                vhk = T.axis.spatial(HK, t // NRB % HK)
+                vb = T.axis.spatial(B, t // (S * NHG * NRB))
+                vs = T.axis.spatial(S, t // (NHG * NRB) % S)
+                vhg = T.axis.spatial(NHG, t // NRB % NHG)
                 vrb = T.axis.spatial(NRB, t % NRB)
                 reads, writes = T.meta_var(task_regions(Q, K, V, (O, O_FINAL, LSE, LSE_FINAL), cache, shape,
-                                                        vb, vs, vhk, D))
+                                                        vb, vs, vhg * HT, D, HT))
                 T.reads(reads)
                 T.writes(writes)
                 # the rows' q: fp32, pre-scaled; or (WORDS) their bf16 pairs
-                qs = T.sblock_alloc_buffer((RB, D // 2) if WORDS else (RB, D), "uint32" if WORDS else F32)
-                acc = T.sblock_alloc_buffer((RB, D), F32)
+                qs = T.sblock_alloc_buffer((HT, RB, D // 2) if WORDS else (HT, RB, D), "uint32" if WORDS else F32)
+                acc = T.sblock_alloc_buffer((HT, RB, D), F32)
                 row_f32 = T.sblock_alloc_buffer((D,), F32)  # the key (or value) row being used
                 # WORDS: a key row's pairs, or two value rows' (key_pairs); P's pairs per row
                 row_words = T.sblock_alloc_buffer((D if WORDS else 1,), "uint32")
@@ -412,115 +419,120 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                 # per row: 16 keys' per-lane products (their lane sums are the scores)
                 prod = T.sblock_alloc_buffer((RB, LANES, LANES) if VL == LANES else (1, 1, 1), F32)
                 s = T.sblock_alloc_buffer((RB, BK), F32)
-                st = T.sblock_alloc_buffer((RB, 3), F32)  # per row: m, l, block max
-                rix = T.sblock_alloc_buffer((RB, 2), "int64")  # per row: query head, query index
+                st = T.sblock_alloc_buffer((HT, RB, 3), F32)  # per row: m, l, block max
+                rix = T.sblock_alloc_buffer((HT, RB, 2), "int64")  # per row: query head, query index
                 # cached: each key's (page, row) in this block (slot kb % 2) and the next, clamped
                 # into the sequence (keys outside it get p = 0, but 0 * a NaN from unwritten cache
                 # memory is NaN)
                 where = T.sblock_alloc_buffer((2, BK if cached else 1, 2), "int32")
                 score, first_key = T.meta_var(sequence(score_all, cache, vb, LQ))
                 row = T.meta_var(lambda r: T.min(vrb * RB + r, G * LQ - 1))  # of the kv-head's G * Lq rows
+                NH = T.meta_var(1 if HT == 1 else T.min(HK - vhg * HT, HT))  # the task's kv-heads
+                kv_head = T.meta_var(lambda h: vhg * HT + h)
                 kb_lo, kb_hi, clamp = T.meta_var(split_blocks(score, first_key, LQ, S, vs, BK))
-                for r in T.serial(RB):
-                    rix[r, 0] = vhk * G + row(r) // LQ
-                    rix[r, 1] = row(r) % LQ
-                    if WORDS:
-                        for c in T.serial(D // PAIR_CHUNK):
-                            qs[r, lanes(c * LANES)] = words(Q[vb, rix[r, 0], rix[r, 1], chunk_lanes(c)])
-                    for d in T.vectorized(D):
-                        if not WORDS:
-                            qs[r, d] = T.Cast(F32, Q[vb, rix[r, 0], rix[r, 1], dim_of(d)]) * scale
-                        acc[r, d] = T.float32(0)
-                    st[r, 0] = T.min_value(F32)
-                    st[r, 1] = T.float32(0)
+                for h in T.serial(NH):
+                    for r in T.serial(RB):
+                        rix[h, r, 0] = kv_head(h) * G + row(r) // LQ
+                        rix[h, r, 1] = row(r) % LQ
+                        if WORDS:
+                            for c in T.serial(D // PAIR_CHUNK):
+                                qs[h, r, lanes(c * LANES)] = words(Q[vb, rix[h, r, 0], rix[h, r, 1], chunk_lanes(c)])
+                        for d in T.vectorized(D):
+                            if not WORDS:
+                                qs[h, r, d] = T.Cast(F32, Q[vb, rix[h, r, 0], rix[h, r, 1], dim_of(d)]) * scale
+                            acc[h, r, d] = T.float32(0)
+                        st[h, r, 0] = T.min_value(F32)
+                        st[h, r, 1] = T.float32(0)
                 # block kb_hi: only its page lookup (prefetch)
                 for kb in T.serial(kb_lo, kb_hi + 1, annotations=KEY_LOOP):
                     k0 = T.meta_var(kb * BK)
                     if cached:
                         key_positions(where, kb % 2, cache, vb, k0, clamp, BK)
                     if kb > kb_lo:
-                        pk0 = T.meta_var(k0 - BK)  # block kb - 1 is computed here
-                        slot = T.meta_var((kb - 1) % 2)
-                        for jg in T.serial(BK // LANES):  # scores of 16 keys: q . k as per-lane products
-                            for jj in T.serial(LANES):
-                                j = T.meta_var(jg * LANES + jj)
-                                prefetch_keys(K, V, cache, where, kb % 2, slot, vb, vhk, k0, pk0, j, D, LK, LINE)
-                                if WORDS:
-                                    for c in T.serial(D // PAIR_CHUNK):
-                                        row_words[lanes(c * LANES)] = words(key_element(
-                                            K, cache, where, slot, vb, vhk, pk0, j, chunk_lanes(c), LK))
-                                elif PAIRED:
-                                    for c in T.serial(D // PAIR_CHUNK):
-                                        store_paired_row(row_f32, 0, c, key_element(
-                                            K, cache, where, slot, vb, vhk, pk0, j, chunk_lanes(c), LK))
-                                else:
-                                    for d in T.vectorized(D):
-                                        row_f32[d] = T.Cast(F32, key_element(K, cache, where, slot, vb, vhk, pk0, j, d, LK))
-                                for r in T.unroll(RB):
+                        for h in T.serial(NH):  # the kv-heads of the task in turn: whole token rows
+                            pk0 = T.meta_var(k0 - BK)  # block kb - 1 is computed here
+                            slot = T.meta_var((kb - 1) % 2)
+                            for jg in T.serial(BK // LANES):  # scores of 16 keys: q . k as per-lane products
+                                for jj in T.serial(LANES):
+                                    j = T.meta_var(jg * LANES + jj)
+                                    prefetch_keys(K, V, cache, where, kb % 2, slot, vb, kv_head(h), k0, pk0, j, D, LK, LINE)
                                     if WORDS:
-                                        prod[r, jj, lanes(0)] = pair_dot_sum(pair_dot, qs, r, row_words, D // PAIR_CHUNK)
-                                    elif VL == LANES:  # the 16 keys' lanes are summed together below
-                                        for c in T.vectorized(VL):
-                                            prod[r, jj, c] = qs[r, c] * row_f32[c]
-                                        for dc in T.serial(1, D // VL):
-                                            for c in T.vectorized(VL):
-                                                prod[r, jj, c] = prod[r, jj, c] + qs[r, dc * VL + c] * row_f32[dc * VL + c]
-                                    else:
-                                        s[r, j] = T.float32(0)
-                                        for d in T.serial(D):
-                                            s[r, j] = s[r, j] + qs[r, d] * row_f32[d]
-                            for r in T.serial(RB):
-                                if VL == LANES:
-                                    store_lane_sums(s, [r, jg * LANES], products_of(prod, r), score_factor(scale))
-                                for x in T.vectorized(LANES):
-                                    s[r, jg * LANES + x] = score(s[r, jg * LANES + x], ScoreIndex(
-                                        vb, rix[r, 0], rix[r, 1], pk0 + jg * LANES + x - first_key))
-                        for r in T.serial(RB):  # online softmax: rescale O by exp(m_old - m_new)
-                            fold_scores(part, s, r, T.max)
-                            st[r, 2] = four(part, T.max)  # the block's max
-                            for d in T.vectorized(D):
-                                acc[r, d] = acc[r, d] * fast_exp(st[r, 0] - T.max(st[r, 0], st[r, 2]))
-                            st[r, 1] = st[r, 1] * fast_exp(st[r, 0] - T.max(st[r, 0], st[r, 2]))
-                            st[r, 0] = T.max(st[r, 0], st[r, 2])
-                            for j in T.vectorized(BK):
-                                s[r, j] = fast_exp(s[r, j] - st[r, 0])
-                            fold_scores(part, s, r, add)
-                            st[r, 1] = st[r, 1] + four(part, add)  # plus the block's sum
-                            if WORDS:  # P's pairs (keys 2i, 2i + 1) for the value pass
-                                for c in T.serial(BK // PAIR_CHUNK):
-                                    p_words[r, lanes(c * LANES)] = pair_dot.pack(
-                                        s[r, lanes(c * PAIR_CHUNK)], s[r, lanes(c * PAIR_CHUNK + LANES)])
-                        for dv in T.serial(D // DV):  # O += p_j V_j (padded keys have p = 0)
-                            if WORDS:
-                                for jp in T.serial(BK // 2):  # two keys a pass
-                                    for c in T.serial(DV // PAIR_CHUNK):
-                                        pair_lo, pair_hi = T.meta_var(value_pairs(
-                                            V, cache, where, slot, vb, vhk, pk0, jp, dv * (DV // PAIR_CHUNK) + c, LK))
-                                        row_words[lanes(c * PAIR_CHUNK)] = pair_lo
-                                        row_words[lanes(c * PAIR_CHUNK + LANES)] = pair_hi
-                                    for r in T.unroll(RB):
-                                        for m in T.unroll(DV // LANES):
-                                            acc[r, lanes(dv * DV + m * LANES)] = pair_dot.dot(
-                                                acc[r, lanes(dv * DV + m * LANES)],
-                                                T.Broadcast(p_words[r, jp], LANES), row_words[lanes(m * LANES)])
-                            else:
-                                for j in T.serial(BK):
-                                    if PAIRED:
-                                        for c in T.serial(DV // PAIR_CHUNK):
+                                        for c in T.serial(D // PAIR_CHUNK):
+                                            row_words[lanes(c * LANES)] = words(key_element(
+                                                K, cache, where, slot, vb, kv_head(h), pk0, j, chunk_lanes(c), LK))
+                                    elif PAIRED:
+                                        for c in T.serial(D // PAIR_CHUNK):
                                             store_paired_row(row_f32, 0, c, key_element(
-                                                V, cache, where, slot, vb, vhk, pk0, j, chunk_lanes(dv * (DV // PAIR_CHUNK) + c), LK))
+                                                K, cache, where, slot, vb, kv_head(h), pk0, j, chunk_lanes(c), LK))
                                     else:
-                                        for d in T.vectorized(DV):
-                                            row_f32[d] = T.Cast(F32, key_element(V, cache, where, slot, vb, vhk, pk0, j, dv * DV + d, LK))
+                                        for d in T.vectorized(D):
+                                            row_f32[d] = T.Cast(F32, key_element(K, cache, where, slot, vb, kv_head(h), pk0, j, d, LK))
                                     for r in T.unroll(RB):
-                                        for d in T.vectorized(DV):
-                                            acc[r, dv * DV + d] = acc[r, dv * DV + d] + s[r, j] * row_f32[d]
-                for r in T.serial(RB):
-                    lse_r = T.meta_var(T.Select(st[r, 1] == T.float32(0), NEG_INF, st[r, 0] + T.log(st[r, 1])))
-                    o_r = T.meta_var(lambda d: T.Select(st[r, 1] == T.float32(0), T.float32(0), acc[r, slot_of(d)] / st[r, 1]))
-                    if vrb * RB + r < G * LQ:  # a short last block's repeated rows are not stored
-                        store_row(O, O_FINAL, LSE, LSE_FINAL, S, vb, vs, rix[r, 0], rix[r, 1], lse_r, o_r, D,
-                                  spec.dtype)
+                                        if WORDS:
+                                            prod[r, jj, lanes(0)] = pair_dot_sum(pair_dot, qs, (h, r), row_words, D // PAIR_CHUNK)
+                                        elif VL == LANES:  # the 16 keys' lanes are summed together below
+                                            for c in T.vectorized(VL):
+                                                prod[r, jj, c] = qs[h, r, c] * row_f32[c]
+                                            for dc in T.serial(1, D // VL):
+                                                for c in T.vectorized(VL):
+                                                    prod[r, jj, c] = prod[r, jj, c] + qs[h, r, dc * VL + c] * row_f32[dc * VL + c]
+                                        else:
+                                            s[r, j] = T.float32(0)
+                                            for d in T.serial(D):
+                                                s[r, j] = s[r, j] + qs[h, r, d] * row_f32[d]
+                                for r in T.serial(RB):
+                                    if VL == LANES:
+                                        store_lane_sums(s, [r, jg * LANES], products_of(prod, r), score_factor(scale))
+                                    for x in T.vectorized(LANES):
+                                        s[r, jg * LANES + x] = score(s[r, jg * LANES + x], ScoreIndex(
+                                            vb, rix[h, r, 0], rix[h, r, 1], pk0 + jg * LANES + x - first_key))
+                            for r in T.serial(RB):  # online softmax: rescale O by exp(m_old - m_new)
+                                fold_scores(part, s, r, T.max)
+                                st[h, r, 2] = four(part, T.max)  # the block's max
+                                for d in T.vectorized(D):
+                                    acc[h, r, d] = acc[h, r, d] * fast_exp(st[h, r, 0] - T.max(st[h, r, 0], st[h, r, 2]))
+                                st[h, r, 1] = st[h, r, 1] * fast_exp(st[h, r, 0] - T.max(st[h, r, 0], st[h, r, 2]))
+                                st[h, r, 0] = T.max(st[h, r, 0], st[h, r, 2])
+                                for j in T.vectorized(BK):
+                                    s[r, j] = fast_exp(s[r, j] - st[h, r, 0])
+                                fold_scores(part, s, r, add)
+                                st[h, r, 1] = st[h, r, 1] + four(part, add)  # plus the block's sum
+                                if WORDS:  # P's pairs (keys 2i, 2i + 1) for the value pass
+                                    for c in T.serial(BK // PAIR_CHUNK):
+                                        p_words[r, lanes(c * LANES)] = pair_dot.pack(
+                                            s[r, lanes(c * PAIR_CHUNK)], s[r, lanes(c * PAIR_CHUNK + LANES)])
+                            for dv in T.serial(D // DV):  # O += p_j V_j (padded keys have p = 0)
+                                if WORDS:
+                                    for jp in T.serial(BK // 2):  # two keys a pass
+                                        for c in T.serial(DV // PAIR_CHUNK):
+                                            pair_lo, pair_hi = T.meta_var(value_pairs(
+                                                V, cache, where, slot, vb, kv_head(h), pk0, jp, dv * (DV // PAIR_CHUNK) + c, LK))
+                                            row_words[lanes(c * PAIR_CHUNK)] = pair_lo
+                                            row_words[lanes(c * PAIR_CHUNK + LANES)] = pair_hi
+                                        for r in T.unroll(RB):
+                                            for m in T.unroll(DV // LANES):
+                                                acc[h, r, lanes(dv * DV + m * LANES)] = pair_dot.dot(
+                                                    acc[h, r, lanes(dv * DV + m * LANES)],
+                                                    T.Broadcast(p_words[r, jp], LANES), row_words[lanes(m * LANES)])
+                                else:
+                                    for j in T.serial(BK):
+                                        if PAIRED:
+                                            for c in T.serial(DV // PAIR_CHUNK):
+                                                store_paired_row(row_f32, 0, c, key_element(
+                                                    V, cache, where, slot, vb, kv_head(h), pk0, j, chunk_lanes(dv * (DV // PAIR_CHUNK) + c), LK))
+                                        else:
+                                            for d in T.vectorized(DV):
+                                                row_f32[d] = T.Cast(F32, key_element(V, cache, where, slot, vb, kv_head(h), pk0, j, dv * DV + d, LK))
+                                        for r in T.unroll(RB):
+                                            for d in T.vectorized(DV):
+                                                acc[h, r, dv * DV + d] = acc[h, r, dv * DV + d] + s[r, j] * row_f32[d]
+                for h in T.serial(NH):
+                    for r in T.serial(RB):
+                        lse_r = T.meta_var(T.Select(st[h, r, 1] == T.float32(0), NEG_INF, st[h, r, 0] + T.log(st[h, r, 1])))
+                        o_r = T.meta_var(lambda d: T.Select(st[h, r, 1] == T.float32(0), T.float32(0), acc[h, r, slot_of(d)] / st[h, r, 1]))
+                        if vrb * RB + r < G * LQ:  # a short last block's repeated rows are not stored
+                            store_row(O, O_FINAL, LSE, LSE_FINAL, S, vb, vs, rix[h, r, 0], rix[h, r, 1], lse_r, o_r, D,
+                                      spec.dtype)
 
     return fwd.with_attr("global_symbol", "forward_split")
 
