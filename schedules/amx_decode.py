@@ -75,8 +75,8 @@ def decode_amx_kernel(spec: AttentionSpec, name: str = "forward_split") -> tirx.
     @T.prim_func(s_tir=True)
     def dec():
         T.func_attr({"tirx.noalias": True})
-        Q, K, V, (O, O_FINAL), (LSE, LSE_FINAL), scale, score_all, cache = T.meta_var(
-            declare_split_args(spec, shape, S))
+        Q, K, V, (O, O_FINAL), (LSE, LSE_FINAL), scale, score_all, cache, _ = T.meta_var(
+            declare_split_args(spec, shape, S))  # (a task is one kv-head: kv_heads is not read)
         G = T.meta_var(H // HK)
         NRB = T.meta_var((G * LQ + RB - 1) // RB)  # row blocks per kv-head
         k_row = T.meta_var(K.strides[1 if cached else 2] * 2)  # bytes between key rows

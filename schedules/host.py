@@ -20,7 +20,7 @@ from .knobs import Knobs
 DEFAULTS = {"block_q": 64, "block_k": 64, "bwd_block_q": 64, "bwd_block_k": 64}
 SPLIT_MAX_Q = 16  # the split-KV forward serves Lq <= this (decode)
 SPLIT_BLOCK_ROWS = 4  # query rows (a kv-head's heads x queries) per task
-SPLIT_KV_HEADS = 8  # kv-heads per task, each kv-block's keys for each in turn (whole token rows)
+SPLIT_MAX_KV_HEADS = 8  # kv-heads a task can take, each kv-block's keys for each in turn (ops._task_kv_heads)
 SPLIT_AMX_ROWS = 16  # query rows per task of the AMX decode (schedules/amx_decode.py): a tile's
 SPLIT_BLOCK_K = 64  # keys per kv-block (the unit of the splits)
 SPLIT_TASK_KEYS = 2048  # automatic splits: at most this many keys a task (Xeon, 1k-16k caches)
@@ -84,9 +84,9 @@ def kernels(spec, target: dict, knobs: dict, pair_dot=None) -> dict:
         lanes = vector_length(target)
         return {f"{prefix}{suffix}": kernel.with_attr("global_symbol", f"{prefix}{suffix}") for suffix, kernel in (
             ("", forward_split_kernel(spec, SPLIT_BLOCK_ROWS, SPLIT_BLOCK_K, SPLIT_VALUE_COLS[lanes], pair_dot,
-                                      SPLIT_KV_HEADS)),
+                                      SPLIT_MAX_KV_HEADS)),
             ("_row", forward_split_kernel(spec, 1, SPLIT_BLOCK_K, SPLIT_ROW_VALUE_COLS[lanes], pair_dot,
-                                          SPLIT_KV_HEADS)),
+                                          SPLIT_MAX_KV_HEADS)),
             ("_combine", forward_combine_kernel(spec)))}
 
     if spec.kv_cache:  # flash_attn_with_kvcache's decode: the split-KV forward on the cache

@@ -36,14 +36,20 @@ def build_into(folder: Path, target: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     build.build_module(SPEC, target).export_library(str(folder / "mod.so"))
     (folder / "target.json").write_text(json.dumps(target))
-    (folder / "kv_heads.json").write_text(json.dumps(getattr(host, "SPLIT_KV_HEADS", 1)))
+    (folder / "kv_heads.json").write_text(json.dumps(host.SPLIT_MAX_KV_HEADS))
     print(f"{folder / 'mod.so'}: {SPEC.name} for {build.target_label(target)}")
 
 
-def kv_heads_of(folder: Path) -> int:
-    """The kv-heads a task of folder/mod.so's split-KV kernels takes (1 before they took more)."""
+def kv_heads_of(folder: Path) -> int | None:
+    """The most kv-heads a task of folder/mod.so's split-KV kernels takes (None: a version from
+    before they took a `kv_heads` argument)."""
     path = folder / "kv_heads.json"
-    return json.loads(path.read_text()) if path.exists() else 1
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def without_kv_heads(kernel):
+    """A kernel of a version without the `kv_heads` argument, called as the current ones are."""
+    return lambda *args: kernel(*args[:-1])
 
 
 def load(folder: Path) -> dict:
@@ -52,6 +58,8 @@ def load(folder: Path) -> dict:
     module = build._load(folder / "mod.so", target)
     names = set(build.kernels_of(SPEC, target)) | set(build.CPU_OPTIONAL_KERNELS)
     kernels = {n: module[n] for n in names if module.implements_function(n, query_imports=True)}
+    if kv_heads_of(folder) is None:
+        kernels.update((n, without_kv_heads(k)) for n, k in kernels.items() if n in ("decode", "decode_row", "decode_tiles"))
     if build.uses_amx(target, kernels) and not build.request_amx():
         sys.exit(f"{folder}: its module runs on AMX, which this CPU or OS does not provide")
     return kernels
@@ -65,7 +73,7 @@ def run(folders: list[Path], lengths: list[int], batch: int, heads: int, heads_k
 
     def using(name):
         ops._loaded[key] = modules[name]
-        host.SPLIT_KV_HEADS = kv_heads[name]  # the splits ops chooses depend on it
+        host.SPLIT_MAX_KV_HEADS = kv_heads[name] or 1  # the splits ops chooses depend on it
         ops._decode_plans.clear()  # a plan keeps its kernel: swap both
 
     g = torch.Generator().manual_seed(0)

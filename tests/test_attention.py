@@ -191,10 +191,16 @@ def test_cpu_split_counts(monkeypatch):
     assert [ops._split_kernel(kern, "decode", rows) for rows in (1, 4, 5)] == [("row", 4, 8), ("fma", 4, 8),
                                                                                  ("tiles", 16, 1)]
     assert ops._split_kernel({"decode": "fma"}, "decode", 16) == ("fma", 4, 8)
-    # FMA tasks take 8 kv-heads: 16 tasks for 16 threads
+    # kv-heads a task (the most up to 8 with which the tasks fill the threads) and the splits then
+    assert ops._task_kv_heads(16, 32, 8, 1, 4, 8) == 8  # 16 tasks
     assert ops._cpu_splits(16, 32, 8, 1, 4096, task_kv_heads=8) == 2
-    assert ops._cpu_splits(1, 16, 16, 1, 1024, task_kv_heads=8) == 16  # 2 tasks (8 + 8 kv-heads)
-    assert ops._cpu_splits(1, 12, 12, 1, 4096, task_kv_heads=8) == 16  # 2 tasks (8 + 4 kv-heads)
+    assert ops._task_kv_heads(4, 32, 8, 1, 4, 8) == 2  # 16 tasks
+    assert ops._task_kv_heads(1, 32, 8, 1, 4, 8) == 1  # 8 tasks: fill with splits instead
+    assert ops._task_kv_heads(1, 16, 16, 1, 4, 8) == 1
+    assert ops._task_kv_heads(2, 24, 12, 1, 4, 8) == 1
+    assert ops._task_kv_heads(4, 24, 12, 1, 4, 8) == 2  # 4 x 6 tasks (not 4 x 4)
+    assert ops._task_kv_heads(1, 32, 8, 16, 4, 8) == 8  # 16 row blocks of the 8 kv-heads
+    assert ops._task_kv_heads(16, 32, 8, 1, 16, 1) == 1  # the AMX decode: one kv-head a task
     # the AMX decode's tasks hold 16 rows: 8 kv-heads x 4 blocks, 32 tasks for 16 threads
     assert ops._cpu_splits(1, 32, 8, 16, 1024, task_rows=16) == 1
     assert ops._cpu_splits(1, 32, 8, 4, 4096, task_rows=16) == 4  # 8 tasks: 4 splits

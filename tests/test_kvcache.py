@@ -168,6 +168,20 @@ def test_kvcache_decode_odd_groups_and_head_dims():
                   lengths=(290, 3, 100))
 
 
+@pytest.mark.parametrize("kv_heads", [1, 3, 99])
+def test_kvcache_decode_kv_head_groups(kv_heads, monkeypatch):
+    """Tasks of kv-heads in groups other than the automatic choice (8 on this shape): one, 3 (a
+    short last group), more than a task holds (the kernel takes 8)."""
+    from tvmflash import ops
+
+    monkeypatch.setattr(ops, "_task_kv_heads", lambda *args: kv_heads)
+    monkeypatch.setattr(ops, "_decode_plans", {})
+    check_kvcache("paged16", False, (-1, -1), None, 1, 0, heads=(20, 10), d=80, capacity=300,
+                  lengths=(290, 3, 100), num_splits=2)
+    check_kvcache("paged16", True, (-1, -1), None, 1, 0, heads=(11, 11), d=80, capacity=300,
+                  lengths=(290, 3, 100))
+
+
 @pytest.mark.parametrize("heads", [(8, 2), (3, 3)])
 def test_kvcache_bf16_decode(heads):
     """bf16 decode (Lq = 1) with a head dim of 128 over thousands of keys in pages of 16: the

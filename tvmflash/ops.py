@@ -268,11 +268,12 @@ def _forward_split(kern: dict, q, k, v, out, lse, scale, mod_args) -> None:
     merged (a single split writes out and lse itself). The kernel depends on the rows a
     kv-head has (`_split_kernel`)."""
     B, H, Lq, D = q.shape
-    split, rows, kv_heads = _split_kernel(kern, "forward_split", H // k.shape[1] * Lq)
+    split, rows, most_kv_heads = _split_kernel(kern, "forward_split", H // k.shape[1] * Lq)
+    kv_heads = _task_kv_heads(B, H, k.shape[1], Lq, rows, most_kv_heads)
     splits = _cpu_splits(B, H, k.shape[1], Lq, k.shape[2], task_rows=rows, task_kv_heads=kv_heads)
     o_part = torch.empty((B, H, splits, Lq, D), dtype=torch.float32)
     lse_part = torch.empty((B, H, splits, Lq), dtype=torch.float32)
-    split(q, k, v, o_part, lse_part, out, lse, scale, *mod_args)
+    split(q, k, v, o_part, lse_part, out, lse, scale, *mod_args, kv_heads)
     if splits > 1:
         kern["forward_split_combine"](o_part, lse_part, out, lse)
 
@@ -320,7 +321,7 @@ def _decode_plan(q: torch.Tensor, heads_k: int, page_size: int, capacity: int, c
                  softcap: bool, alibi: bool, num_splits: int) -> tuple:
     """What a decode call's shape fixes: (spec, split kernel, its scratch arguments, combine
     kernel or None: CUDA's kernel merges its splits, a CPU one with one split writes the
-    outputs itself). The scratch (split partials; on CUDA also the counters with which the
+    outputs itself, the kernel's arguments after the modifiers': on CPUs its kv-heads a task). The scratch (split partials; on CUDA also the counters with which the
     kernel merges its splits, zero between launches) is kept per device, stream and shape
     (CPU: per calling thread): calls on one stream run in order, so reuse is safe."""
     B, H, Lq, D = q.shape
@@ -331,14 +332,15 @@ def _decode_plan(q: torch.Tensor, heads_k: int, page_size: int, capacity: int, c
     if q.is_cuda:
         splits = cuda_decode_splits(q.device, row_blocks, capacity, per_sm[phase], num_splits)
     else:
-        split, rows, kv_heads = _split_kernel(kern, "decode", H // heads_k * Lq)
+        split, rows, most_kv_heads = _split_kernel(kern, "decode", H // heads_k * Lq)
+        kv_heads = _task_kv_heads(B, H, heads_k, Lq, rows, most_kv_heads)
         splits = _cpu_splits(B, H, heads_k, Lq, capacity, num_splits, rows, kv_heads)
     scratch = (torch.empty((B, H, splits, Lq, D), dtype=torch.float32, device=q.device),
                torch.empty((B, H, splits, Lq), dtype=torch.float32, device=q.device))
     if q.is_cuda:
-        return spec, kern[phase], (*scratch, torch.zeros(row_blocks, dtype=torch.int32, device=q.device)), None
+        return spec, kern[phase], (*scratch, torch.zeros(row_blocks, dtype=torch.int32, device=q.device)), None, ()
     combine = kern["decode_combine"] if splits > 1 else None
-    return spec, split, scratch, combine
+    return spec, split, scratch, combine, (kv_heads,)
 
 
 _decode_plans: dict = {}
@@ -375,34 +377,49 @@ def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             _decode_plans.clear()
         plan = _decode_plans[key] = _decode_plan(q, k_cache.shape[2], k_cache.shape[1], capacity, causal, window,
                                                  softcap > 0, alibi_slopes is not None, num_splits)
-    spec, decode, scratch, combine = plan
+    spec, decode, scratch, combine, tail = plan
     mod_args = _mod_args(spec, (B, H, Lq, capacity), None, window, softcap, alibi_slopes) if spec.variants else ()
     with _on_stream(device):
         # on CUDA one launch: the kernel merges its splits (o_part, lse_part, counters) into out, lse
         out_bhld = out.transpose(1, 2)
         decode(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, scratch[0], scratch[1],
-               out_bhld, lse, *scratch[2:], scale, *mod_args)
+               out_bhld, lse, *scratch[2:], scale, *mod_args, *tail)
         if combine is not None:
             combine(*scratch[:2], out_bhld, lse)
     return out, lse
 
 
 def _split_kernel(kern: dict, name: str, rows_per_kv_head: int) -> tuple:
-    """(kernel, query rows a task, kv-heads a task) of the split-KV forward `name` for
+    """(kernel, query rows a task, the most kv-heads a task) of the split-KV forward `name` for
     `rows_per_kv_head` query rows (a kv-head's heads x queries): its one-row variant (`name`_row,
     CPU modules) for one row (MHA decode), its AMX variant (`name`_tiles, bf16 on AMX CPUs:
     SPLIT_AMX_ROWS rows of one kv-head a task) for more than SPLIT_BLOCK_ROWS, else `name` (zmm
-    FMAs, SPLIT_BLOCK_ROWS rows of each of SPLIT_KV_HEADS kv-heads a task).
+    FMAs, SPLIT_BLOCK_ROWS rows of up to SPLIT_MAX_KV_HEADS kv-heads a task).
     Xeon, bf16 B = 16, H = 32, Hk = 8, D = 128, same process: 4 rows (Lq = 1) 1.09-1.20x faster
     on FMAs than on tiles; 16 rows (Lq = 4) 2.6-3.2x faster on tiles, 64 rows (Lq = 16)
     2.8-3.2x (benchmarks/results/cpu-xeon-16core-decode-tiles.jsonl)."""
-    from .schedules.host import SPLIT_AMX_ROWS, SPLIT_BLOCK_ROWS, SPLIT_KV_HEADS
+    from .schedules.host import SPLIT_AMX_ROWS, SPLIT_BLOCK_ROWS, SPLIT_MAX_KV_HEADS
 
     if rows_per_kv_head == 1:
-        return kern.get(f"{name}_row", kern[name]), SPLIT_BLOCK_ROWS, SPLIT_KV_HEADS
+        return kern.get(f"{name}_row", kern[name]), SPLIT_BLOCK_ROWS, SPLIT_MAX_KV_HEADS
     if rows_per_kv_head > SPLIT_BLOCK_ROWS and f"{name}_tiles" in kern:
         return kern[f"{name}_tiles"], SPLIT_AMX_ROWS, 1
-    return kern[name], SPLIT_BLOCK_ROWS, SPLIT_KV_HEADS
+    return kern[name], SPLIT_BLOCK_ROWS, SPLIT_MAX_KV_HEADS
+
+
+def _task_kv_heads(B: int, H: int, Hk: int, Lq: int, task_rows: int, most: int) -> int:
+    """kv-heads a task of the CPU split-KV forward takes: the most (a power of two up to `most`)
+    with which the tasks still fill the threads before the keys are split, else 1. Whole token
+    rows read faster, but fewer tasks mean more splits of fewer keys, each with its own first
+    block, read without prefetch (Xeon, bf16 D = 128, Lq = 1, same process,
+    benchmarks/results/cpu-xeon-16core-decode-kv-heads.jsonl: B = 16, Hk = 8, tasks of 8
+    kv-heads 1.04-1.09x faster at 4k-16k; B = 1, 1 / 2 tasks of 8: 0.77-0.89x at 4k)."""
+    row_blocks = -(-(H // Hk) * Lq // task_rows)
+    threads = torch.get_num_threads()
+    heads = most
+    while heads > 1 and B * -(-Hk // heads) * row_blocks < threads:
+        heads //= 2
+    return heads
 
 
 def _cpu_splits(B: int, H: int, Hk: int, Lq: int, keys: int, requested: int = 0, task_rows: int = 4,

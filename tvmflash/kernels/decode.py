@@ -116,11 +116,15 @@ def declare_decode_args(spec: AttentionSpec, shape: Shape, splits: tirx.Var, cou
 
 def declare_split_args(spec: AttentionSpec, shape: Shape, splits: tirx.Var):
     """A split-KV kernel's arguments: (q, k, v, (o_part, o), (lse_part, lse), scale, the bound
-    ScorePipeline, CacheArgs or None): a kv_cache spec's decode arguments, else the forward's."""
+    ScorePipeline, CacheArgs or None, kv_heads): a kv_cache spec's decode arguments, else the
+    forward's, then the int64 `kv_heads`, the kv-heads a task takes (`forward_split_kernel`; the
+    AMX decode's tasks take one)."""
     if spec.kv_cache:
         q, k, v, cache, o_part, lse_part, o, lse, scale, score = declare_decode_args(spec, shape, splits)
-        return q, k, v, (o_part, o), (lse_part, lse), scale, score, cache
-    return (*declare_forward_args(spec, shape, splits), None)
+        split_args = (q, k, v, (o_part, o), (lse_part, lse), scale, score, cache)
+    else:
+        split_args = (*declare_forward_args(spec, shape, splits), None)
+    return (*split_args, KernelArgs().scalar("kv_heads", "int64"))
 
 
 def task_keys(buf, cache, shape: Shape, b, heads: slice, head_dim: int):
@@ -178,12 +182,12 @@ def key_positions(where, slot, cache, b, k0, clamp, block_k):
                 "int32", clamp(k0 + g * PAGE_ALIGN + j) - clamp(k0 + g * PAGE_ALIGN))
 
 
-def task_regions(Q, K, V, outputs, cache, shape: Shape, b, split, hk, head_dim: int, kv_heads=1):
+def task_regions(Q, K, V, outputs, cache, shape: Shape, b, split, hk, head_dim: int, kv_heads=1, max_kv_heads=1):
     """(reads, writes) of the task of (b, split) and kv-heads [hk, hk + kv_heads) (clipped to
-    the kv-heads): its query heads' q and the keys it may read; their partial and final outputs
-    (`outputs`: O, O_FINAL, LSE, LSE_FINAL)."""
+    the kv-heads; `max_kv_heads`: the most kv_heads can be): its query heads' q and the keys it
+    may read; their partial and final outputs (`outputs`: O, O_FINAL, LSE, LSE_FINAL)."""
     G, LQ, D = shape.heads // shape.heads_k, shape.seqlen_q, head_dim
-    hk_end = hk + 1 if kv_heads == 1 else tirx.min(hk + kv_heads, shape.heads_k)
+    hk_end = hk + 1 if max_kv_heads == 1 else tirx.min(hk + kv_heads, shape.heads_k)
     kv = slice(hk, hk_end)
     heads = slice(hk * G, hk_end * G)
     O, O_FINAL, LSE, LSE_FINAL = outputs
@@ -324,13 +328,14 @@ def pair_dot_sum(pair_dot: PairDot, a, row: tuple, b, chunks: int):
 
 
 def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int = 64,
-                         value_cols: int = 64, pair_dot: PairDot | None = None, kv_heads: int = 1) -> tirx.PrimFunc:
-    """Tasks over (batch, split, group of `kv_heads` kv-heads, block of `block_rows` query rows
-    of each), in that order (a thread runs a contiguous range of tasks: the kv-heads of one
-    split's keys, which share pages). A task takes each kv-block's keys for its kv-heads in
-    turn, so that its reads run along whole token rows (a key's kv-heads lie together in the
-    cache) and a page is looked up once for them all. The rows of a kv-head are its query
-    heads' queries (G x Lq for GQA). A task
+                         value_cols: int = 64, pair_dot: PairDot | None = None, max_kv_heads: int = 1) -> tirx.PrimFunc:
+    """Tasks over (batch, split, group of kv-heads, block of `block_rows` query rows of each),
+    in that order (a thread runs a contiguous range of tasks: the kv-heads of one split's keys,
+    which share pages). A group is the runtime argument `kv_heads` of them (clamped to [1,
+    `max_kv_heads`]); a task takes each kv-block's keys for its kv-heads in turn, so that its
+    reads run along whole token rows (a key's kv-heads lie together in the cache) and a page
+    is looked up once for them all. The rows of a kv-head are its query heads' queries (G x Lq
+    for GQA). A task
     computes all its `block_rows` rows (a short last block repeats its last row, whose results
     are not stored): no branches in the loops over keys, so LLVM keeps the rows' q in registers
     for the scores and their O columns in registers while a pass over the block's values adds
@@ -339,7 +344,7 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
     both products take bf16 pairs as they lie: q . k 32 dims an instruction (q unscaled: the
     scale goes to the scores), P V two keys an instruction (P rounded to bf16 as for a bf16
     matmul, V's rows of two keys interleaved by `key_pairs`)."""
-    D, RB, BK, HT = spec.head_dim, block_rows, block_k, kv_heads
+    D, RB, BK, MAX_HT = spec.head_dim, block_rows, block_k, max_kv_heads
     DV = math.gcd(D, value_cols)  # columns of O a value pass keeps in registers
     VL = LANES if D % LANES == 0 else 1  # head dims that are not multiples of 16: scalar lanes
     BF16_CHUNKS = spec.dtype == "bfloat16" and VL == LANES and D % PAIR_CHUNK == 0 and DV % PAIR_CHUNK == 0
@@ -393,10 +398,11 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
     @T.prim_func(s_tir=True)
     def fwd():
         T.func_attr({"tirx.noalias": True})
-        Q, K, V, (O, O_FINAL), (LSE, LSE_FINAL), scale, score_all, cache = T.meta_var(
+        Q, K, V, (O, O_FINAL), (LSE, LSE_FINAL), scale, score_all, cache, kv_heads = T.meta_var(
             declare_split_args(spec, shape, S))
         G = T.meta_var(H // HK)
         NRB = T.meta_var((G * LQ + RB - 1) // RB)  # row blocks per kv-head
+        HT = T.meta_var(T.max(T.min(kv_heads, T.int64(MAX_HT)), T.int64(1)))  # kv-heads a group
         NHG = T.meta_var((HK + HT - 1) // HT)  # groups of kv-heads
         for t in T.parallel(B * S * NHG * NRB):
             with T.sblock("dec_task"):
@@ -405,12 +411,12 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                 vhg = T.axis.spatial(NHG, t // NRB % NHG)
                 vrb = T.axis.spatial(NRB, t % NRB)
                 reads, writes = T.meta_var(task_regions(Q, K, V, (O, O_FINAL, LSE, LSE_FINAL), cache, shape,
-                                                        vb, vs, vhg * HT, D, HT))
+                                                        vb, vs, vhg * HT, D, HT, MAX_HT))
                 T.reads(reads)
                 T.writes(writes)
                 # the rows' q: fp32, pre-scaled; or (WORDS) their bf16 pairs
-                qs = T.sblock_alloc_buffer((HT, RB, D // 2) if WORDS else (HT, RB, D), "uint32" if WORDS else F32)
-                acc = T.sblock_alloc_buffer((HT, RB, D), F32)
+                qs = T.sblock_alloc_buffer((MAX_HT, RB, D // 2) if WORDS else (MAX_HT, RB, D), "uint32" if WORDS else F32)
+                acc = T.sblock_alloc_buffer((MAX_HT, RB, D), F32)
                 row_f32 = T.sblock_alloc_buffer((D,), F32)  # the key (or value) row being used
                 # WORDS: a key row's pairs, or two value rows' (key_pairs); P's pairs per row
                 row_words = T.sblock_alloc_buffer((D if WORDS else 1,), "uint32")
@@ -419,15 +425,15 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                 # per row: 16 keys' per-lane products (their lane sums are the scores)
                 prod = T.sblock_alloc_buffer((RB, LANES, LANES) if VL == LANES else (1, 1, 1), F32)
                 s = T.sblock_alloc_buffer((RB, BK), F32)
-                st = T.sblock_alloc_buffer((HT, RB, 3), F32)  # per row: m, l, block max
-                rix = T.sblock_alloc_buffer((HT, RB, 2), "int64")  # per row: query head, query index
+                st = T.sblock_alloc_buffer((MAX_HT, RB, 3), F32)  # per row: m, l, block max
+                rix = T.sblock_alloc_buffer((MAX_HT, RB, 2), "int64")  # per row: query head, query index
                 # cached: each key's (page, row) in this block (slot kb % 2) and the next, clamped
                 # into the sequence (keys outside it get p = 0, but 0 * a NaN from unwritten cache
                 # memory is NaN)
                 where = T.sblock_alloc_buffer((2, BK if cached else 1, 2), "int32")
                 score, first_key = T.meta_var(sequence(score_all, cache, vb, LQ))
                 row = T.meta_var(lambda r: T.min(vrb * RB + r, G * LQ - 1))  # of the kv-head's G * Lq rows
-                NH = T.meta_var(1 if HT == 1 else T.min(HK - vhg * HT, HT))  # the task's kv-heads
+                NH = T.meta_var(T.min(HK - vhg * HT, HT))  # the task's kv-heads
                 kv_head = T.meta_var(lambda h: vhg * HT + h)
                 kb_lo, kb_hi, clamp = T.meta_var(split_blocks(score, first_key, LQ, S, vs, BK))
                 for h in T.serial(NH):
