@@ -321,7 +321,8 @@ def _decode_plan(q: torch.Tensor, heads_k: int, page_size: int, capacity: int, c
                  softcap: bool, alibi: bool, num_splits: int) -> tuple:
     """What a decode call's shape fixes: (spec, split kernel, its scratch arguments, combine
     kernel or None: CUDA's kernel merges its splits, a CPU one with one split writes the
-    outputs itself, the kernel's arguments after the modifiers': on CPUs its kv-heads a task). The scratch (split partials; on CUDA also the counters with which the
+    outputs itself, the kernel's arguments after the modifiers': on CPUs its kv-heads a
+    task). The scratch (split partials; on CUDA also the counters with which the
     kernel merges its splits, zero between launches) is kept per device, stream and shape
     (CPU: per calling thread): calls on one stream run in order, so reuse is safe."""
     B, H, Lq, D = q.shape
