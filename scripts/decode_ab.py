@@ -5,7 +5,7 @@ more than the changes measured). Build each version's module into a folder from 
 then time the folders together (on the Xeon: carry them, TVM's runtime is enough).
 
     python scripts/decode_ab.py build DIR [--target avx512|host]   # this checkout's module -> DIR/mod.so
-    python scripts/decode_ab.py run DIR_A DIR_B ... [--lengths 1024,4096] [--same-page] [--num-splits N] [--out F.jsonl]
+    python scripts/decode_ab.py run DIR_A DIR_B[@SPLITS] ... [--lengths 1024,4096] [--same-page] [--num-splits N] [--out F.jsonl]
 
 `--same-page` points every page-table entry at one page: nothing comes from memory, so the
 times are the kernels' compute. Speedups are against the first folder's module.
@@ -65,16 +65,23 @@ def load(folder: Path) -> dict:
     return kernels
 
 
-def run(folders: list[Path], lengths: list[int], batch: int, heads: int, heads_k: int, lq: int, same_page: bool,
+def run(entries: list[str], lengths: list[int], batch: int, heads: int, heads_k: int, lq: int, same_page: bool,
         out: Path | None, num_splits: int = 0) -> None:
-    modules = {f.name: load(f) for f in folders}
-    kv_heads = {f.name: kv_heads_of(f) for f in folders}
+    """Time each entry, DIR or DIR@N (that folder's module called with num_splits N, else
+    `num_splits`), interleaved."""
+    folders = {e: Path(e.split("@")[0]) for e in entries}
+    names = {e: folders[e].name + (f"@{e.split('@')[1]}" if "@" in e else "") for e in entries}
+    modules = {names[e]: load(f) for e, f in folders.items()}
+    kv_heads = {names[e]: kv_heads_of(f) for e, f in folders.items()}
+    splits_of = {names[e]: int(e.split("@")[1]) if "@" in e else num_splits for e in entries}
     key = (SPEC, torch.device("cpu"), os.environ.get("TVMFLASH_CPU_TARGET", "auto"))  # ops._kernels' cache key
+    current = {}
 
     def using(name):
         ops._loaded[key] = modules[name]
         host.SPLIT_MAX_KV_HEADS = kv_heads[name] or 1  # the splits ops chooses depend on it
         ops._decode_plans.clear()  # a plan keeps its kernel: swap both
+        current["splits"] = splits_of[name]
 
     g = torch.Generator().manual_seed(0)
     for length in lengths:
@@ -89,7 +96,7 @@ def run(folders: list[Path], lengths: list[int], batch: int, heads: int, heads_k
 
             def call():
                 return tvmflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table,
-                                                        num_splits=num_splits)
+                                                        num_splits=current["splits"])
 
             outputs = {}
             for name in modules:
@@ -108,7 +115,7 @@ def run(folders: list[Path], lengths: list[int], batch: int, heads: int, heads_k
             ms = {name: t / 5 for name, t in _interleaved_median_ms({n: timed(n) for n in modules}, rounds=7, iters=3,
                                                                      device="cpu").items()}
             row = {"length": length, "page": page, "batch": batch, "heads": heads, "heads_k": heads_k, "lq": lq,
-                   "same_page": same_page, "num_splits": num_splits, "ms": ms, "speedup": {n: ms[first] / t for n, t in ms.items()},
+                   "same_page": same_page, "num_splits": splits_of, "ms": ms, "speedup": {n: ms[first] / t for n, t in ms.items()},
                    "max_diff_vs_first": diffs}
             print(json.dumps(row), flush=True)
             if out:
@@ -124,7 +131,7 @@ def main() -> None:
     b.add_argument("folder", type=Path)
     b.add_argument("--target", choices=("avx512", "host"), help="default: this CPU's (build.cpu_target)")
     r = sub.add_parser("run")
-    r.add_argument("folders", type=Path, nargs="+")
+    r.add_argument("folders", nargs="+", help="DIR, or DIR@N: its module with num_splits N")
     r.add_argument("--lengths", default="1024,4096", help="cache lengths (comma separated)")
     r.add_argument("--batch", type=int, default=16)
     r.add_argument("--heads", default="32,8", help="query heads, kv-heads")
