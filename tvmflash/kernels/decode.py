@@ -5,8 +5,8 @@ s_tir TensorIR, and the kernel that merges its partial results.
 rows); a kv-head's rows are the queries of its query heads (GQA packs the group), and its
 kv-blocks are cut into `splits` consecutive ranges so that few queries still fill the cores. A
 task takes each kv-block for each of its kv-heads in turn: its reads run along whole token
-rows (Xeon, B=16 Hk=8, 8 kv-heads a task: 1.05-1.11x faster than one; ops._task_kv_heads). With so few queries there
-is no matmul worth the name: K and V are read in place (no tile copies), each key row once per
+rows (Xeon, B=16 Hk=8, 8 kv-heads a task: 1.05-1.11x faster than one; ops._task_kv_heads).
+With so few queries there is no matmul worth the name: K and V are read in place (no tile copies), each key row once per
 task, converted to fp32 once and used by all the task's rows from registers (QK^T as per-lane
 products, whose lane sums 16 keys at a time take a tree of shuffles, `store_lane_sums`; PV
 with the rows' O columns held in registers across the block; bf16 rows converted 32 elements
@@ -337,8 +337,7 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
     `max_kv_heads`]); a task takes each kv-block's keys for its kv-heads in turn, so that its
     reads run along whole token rows (a key's kv-heads lie together in the cache) and a page
     is looked up once for them all. The rows of a kv-head are its query heads' queries (G x Lq
-    for GQA). A task
-    computes all its `block_rows` rows (a short last block repeats its last row, whose results
+    for GQA). A task computes all its `block_rows` rows (a short last block repeats its last row, whose results
     are not stored): no branches in the loops over keys, so LLVM keeps the rows' q in registers
     for the scores and their O columns in registers while a pass over the block's values adds
     p_j V_j to `value_cols` of them (block_rows x value_cols fp32). A kv_cache spec reads its
