@@ -6,9 +6,9 @@ rows); a kv-head's rows are the queries of its query heads (GQA packs the group)
 kv-blocks are cut into `splits` consecutive ranges so that few queries still fill the cores. A
 task takes each kv-block for each of its kv-heads in turn: its reads run along whole token
 rows (Xeon, B=16 Hk=8, 8 kv-heads a task: 1.05-1.11x faster than one; ops._task_kv_heads).
-With so few queries there is no matmul worth the name: K and V are read in place (no tile copies), each key row once per
-task, converted to fp32 once and used by all the task's rows from registers (QK^T as per-lane
-products, whose lane sums 16 keys at a time take a tree of shuffles, `store_lane_sums`; PV
+With so few queries there is no matmul worth the name: K and V are read in place (no tile
+copies), each key row once per task, converted to fp32 once and used by all the task's rows
+from registers (QK^T as per-lane products, whose lane sums 16 keys at a time take a tree of shuffles, `store_lane_sums`; PV
 with the rows' O columns held in registers across the block; bf16 rows converted 32 elements
 at a time into their even and odd elements, `store_paired_row`), with the next rows
 software-prefetched into L2 (rows of one kv-head lie Hk * D apart in flash-attn's cache layout,
