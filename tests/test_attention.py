@@ -175,16 +175,17 @@ def test_decode_split_kv(dtype, lq, lk, monkeypatch):
 
 
 def test_cpu_split_counts(monkeypatch):
-    """The automatic splits of the CPU split-KV forward: two tasks a thread at least, at most
+    """The automatic splits of the CPU split-KV forward: a task a thread at least, at most
     SPLIT_TASK_KEYS keys a task (the Xeon's sweep), never more than one per 64-key block."""
     from tvmflash import ops
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
     assert ops._cpu_splits(16, 32, 8, 1, 16384) == 8  # 128 tasks already; 2048 keys a task
     assert ops._cpu_splits(16, 32, 8, 1, 1024) == 1
-    assert ops._cpu_splits(1, 16, 16, 1, 1024) == 2  # 16 tasks for 16 threads: two each
+    assert ops._cpu_splits(1, 16, 16, 1, 1024) == 1  # 16 tasks for 16 threads
+    assert ops._cpu_splits(1, 16, 8, 1, 1024) == 2  # 8 tasks
     assert ops._cpu_splits(1, 32, 8, 16, 4096) == 2  # 8 kv-heads x 16 blocks of 4 rows: 128 tasks
-    assert ops._cpu_splits(1, 1, 1, 1, 100) == 2  # 32 wanted, 2 blocks of keys
+    assert ops._cpu_splits(1, 1, 1, 1, 100) == 2  # 16 wanted, 2 blocks of keys
     assert ops._cpu_splits(1, 1, 1, 1, 100, requested=1) == 1
     # the kernel by rows a kv-head: one row, up to 4 on FMAs, more on AMX tiles where the module has them
     kern = {"decode": "fma", "decode_row": "row", "decode_tiles": "tiles"}
@@ -193,7 +194,8 @@ def test_cpu_split_counts(monkeypatch):
     assert ops._split_kernel({"decode": "fma"}, "decode", 16) == ("fma", 4, 8)
     # kv-heads a task (the most up to 8 with which the tasks fill the threads) and the splits then
     assert ops._task_kv_heads(16, 32, 8, 1, 4, 8) == 8  # 16 tasks
-    assert ops._cpu_splits(16, 32, 8, 1, 4096, task_kv_heads=8) == 2
+    assert ops._cpu_splits(16, 32, 8, 1, 1024, task_kv_heads=8) == 1
+    assert ops._cpu_splits(16, 32, 8, 1, 4096, task_kv_heads=8) == 2  # 2048 keys a task
     assert ops._task_kv_heads(4, 32, 8, 1, 4, 8) == 2  # 16 tasks
     assert ops._task_kv_heads(1, 32, 8, 1, 4, 8) == 1  # 8 tasks: fill with splits instead
     assert ops._task_kv_heads(1, 16, 16, 1, 4, 8) == 1
@@ -203,7 +205,7 @@ def test_cpu_split_counts(monkeypatch):
     assert ops._task_kv_heads(16, 32, 8, 1, 16, 1) == 1  # the AMX decode: one kv-head a task
     # the AMX decode's tasks hold 16 rows: 8 kv-heads x 4 blocks, 32 tasks for 16 threads
     assert ops._cpu_splits(1, 32, 8, 16, 1024, task_rows=16) == 1
-    assert ops._cpu_splits(1, 32, 8, 4, 4096, task_rows=16) == 4  # 8 tasks: 4 splits
+    assert ops._cpu_splits(1, 32, 8, 4, 4096, task_rows=16) == 2  # 8 tasks: 2 splits
 
 
 def test_fully_masked_rows_give_zero_output_and_finite_grads():

@@ -425,15 +425,17 @@ def _task_kv_heads(B: int, H: int, Hk: int, Lq: int, task_rows: int, most: int) 
 
 def _cpu_splits(B: int, H: int, Hk: int, Lq: int, keys: int, requested: int = 0, task_rows: int = 4,
                 task_kv_heads: int = 1) -> int:
-    """Key splits of the CPU split-KV forward: `requested`, or (0) enough for about two tasks
-    per thread (a task: `task_rows` of the query rows of each of `task_kv_heads` kv-heads,
-    `_split_kernel`) and at most SPLIT_TASK_KEYS keys a task; at most one split per kv-block
-    of `keys`."""
+    """Key splits of the CPU split-KV forward: `requested`, or (0) enough for a task per thread
+    (a task: `task_rows` of the query rows of each of `task_kv_heads` kv-heads, `_split_kernel`)
+    and at most SPLIT_TASK_KEYS keys a task; at most one split per kv-block of `keys`. (Xeon,
+    bf16 D = 128, Lq = 1, same process: B = 16, 16 tasks of 8 kv-heads, one split at 1k 1.04-1.07x
+    faster than two, 4 splits 0.96-0.97x; B = 1, 8 tasks: 2 splits as fast as 4 at 1k, 1.00-1.06x
+    at 4k; cpu-xeon-16core-decode-kv-heads.jsonl.)"""
     from .schedules.host import SPLIT_BLOCK_K, SPLIT_TASK_KEYS
 
     if requested <= 0:
         tasks = B * -(-Hk // task_kv_heads) * -(-(H // Hk) * Lq // task_rows)  # before splitting the keys
-        requested = max(-(-2 * torch.get_num_threads() // tasks), -(-keys // SPLIT_TASK_KEYS))
+        requested = max(-(-torch.get_num_threads() // tasks), -(-keys // SPLIT_TASK_KEYS))
     return max(1, min(requested, -(-keys // SPLIT_BLOCK_K)))
 
 
