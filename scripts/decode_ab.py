@@ -8,7 +8,8 @@ then time the folders together (on the Xeon: carry them, TVM's runtime is enough
     python scripts/decode_ab.py run DIR_A DIR_B[@SPLITS] ... [--lengths 1024,4096] [--same-page] [--num-splits N] [--out F.jsonl]
 
 `--same-page` points every page-table entry at one page: nothing comes from memory, so the
-times are the kernels' compute. Speedups are against the first folder's module.
+times are the kernels' compute. Speedups are against the first folder's module. Every module
+runs with this checkout's automatic splits (`ops._cpu_splits`), its own most kv-heads a task.
 """
 import argparse
 import json

@@ -265,12 +265,10 @@ def _cuda_forward_name(window: tuple, causal: bool) -> str:
 def _forward_split(kern: dict, q, k, v, out, lse, scale, mod_args) -> None:
     """Decode-like calls (few queries) on the CPU: a kv-head's query rows share a task, the keys
     are cut into splits (_cpu_splits) that the threads stream, then the partial results are
-    merged (a single split writes out and lse itself). The kernel depends on the rows a
-    kv-head has (`_split_kernel`)."""
+    merged (a single split writes out and lse itself). The kernel, its kv-heads a task and the
+    splits depend on the shape (`_cpu_split_plan`)."""
     B, H, Lq, D = q.shape
-    split, rows, most_kv_heads = _split_kernel(kern, "forward_split", H // k.shape[1] * Lq)
-    kv_heads = _task_kv_heads(B, H, k.shape[1], Lq, rows, most_kv_heads)
-    splits = _cpu_splits(B, H, k.shape[1], Lq, k.shape[2], task_rows=rows, task_kv_heads=kv_heads)
+    split, kv_heads, splits = _cpu_split_plan(kern, "forward_split", B, H, k.shape[1], Lq, k.shape[2])
     o_part = torch.empty((B, H, splits, Lq, D), dtype=torch.float32)
     lse_part = torch.empty((B, H, splits, Lq), dtype=torch.float32)
     split(q, k, v, o_part, lse_part, out, lse, scale, *mod_args, kv_heads)
@@ -333,9 +331,7 @@ def _decode_plan(q: torch.Tensor, heads_k: int, page_size: int, capacity: int, c
     if q.is_cuda:
         splits = cuda_decode_splits(q.device, row_blocks, capacity, per_sm[phase], num_splits)
     else:
-        split, rows, most_kv_heads = _split_kernel(kern, "decode", H // heads_k * Lq)
-        kv_heads = _task_kv_heads(B, H, heads_k, Lq, rows, most_kv_heads)
-        splits = _cpu_splits(B, H, heads_k, Lq, capacity, num_splits, rows, kv_heads)
+        split, kv_heads, splits = _cpu_split_plan(kern, "decode", B, H, heads_k, Lq, capacity, num_splits)
     scratch = (torch.empty((B, H, splits, Lq, D), dtype=torch.float32, device=q.device),
                torch.empty((B, H, splits, Lq), dtype=torch.float32, device=q.device))
     if q.is_cuda:
@@ -408,6 +404,20 @@ def _split_kernel(kern: dict, name: str, rows_per_kv_head: int) -> tuple:
     return kern[name], SPLIT_BLOCK_ROWS, SPLIT_MAX_KV_HEADS
 
 
+def _cpu_split_plan(kern: dict, name: str, B: int, H: int, Hk: int, Lq: int, keys: int, requested: int = 0) -> tuple:
+    """(kernel, kv-heads a task, splits) of a CPU split-KV call of `name`: `_split_kernel`,
+    `_task_kv_heads`, `_cpu_splits` (`requested` splits, 0: automatic)."""
+    split, rows, most_kv_heads = _split_kernel(kern, name, H // Hk * Lq)
+    kv_heads = _task_kv_heads(B, H, Hk, Lq, rows, most_kv_heads)
+    return split, kv_heads, _cpu_splits(B, H, Hk, Lq, keys, requested, rows, kv_heads)
+
+
+def _split_tasks(B: int, H: int, Hk: int, Lq: int, task_rows: int, task_kv_heads: int) -> int:
+    """Tasks of the CPU split-KV forward before the keys are split: (batch, group of
+    `task_kv_heads` kv-heads, block of `task_rows` of each kv-head's query rows)."""
+    return B * -(-Hk // task_kv_heads) * -(-(H // Hk) * Lq // task_rows)
+
+
 def _task_kv_heads(B: int, H: int, Hk: int, Lq: int, task_rows: int, most: int) -> int:
     """kv-heads a task of the CPU split-KV forward takes: the most (a power of two up to `most`)
     with which the tasks still fill the threads before the keys are split, else 1. Whole token
@@ -415,10 +425,9 @@ def _task_kv_heads(B: int, H: int, Hk: int, Lq: int, task_rows: int, most: int) 
     block, read without prefetch (Xeon, bf16 D = 128, Lq = 1, same process,
     benchmarks/results/cpu-xeon-16core-decode-kv-heads.jsonl: B = 16, Hk = 8, tasks of 8
     kv-heads 1.04-1.09x faster at 4k-16k; B = 1, 1 / 2 tasks of 8: 0.77-0.89x at 4k)."""
-    row_blocks = -(-(H // Hk) * Lq // task_rows)
     threads = torch.get_num_threads()
     heads = most
-    while heads > 1 and B * -(-Hk // heads) * row_blocks < threads:
+    while heads > 1 and _split_tasks(B, H, Hk, Lq, task_rows, heads) < threads:
         heads //= 2
     return heads
 
@@ -434,7 +443,7 @@ def _cpu_splits(B: int, H: int, Hk: int, Lq: int, keys: int, requested: int = 0,
     from .schedules.host import SPLIT_BLOCK_K, SPLIT_TASK_KEYS
 
     if requested <= 0:
-        tasks = B * -(-Hk // task_kv_heads) * -(-(H // Hk) * Lq // task_rows)  # before splitting the keys
+        tasks = _split_tasks(B, H, Hk, Lq, task_rows, task_kv_heads)
         requested = max(-(-torch.get_num_threads() // tasks), -(-keys // SPLIT_TASK_KEYS))
     return max(1, min(requested, -(-keys // SPLIT_BLOCK_K)))
 
