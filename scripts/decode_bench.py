@@ -8,10 +8,13 @@ the query heads beforehand; each is timed once, `torch_screen_ms`, and those wit
 fastest are timed interleaved with ours). Bars: GPU >= 80% of the copy bandwidth at >= 8k context and
 >= 1.0x torch; CPU >= 1.5x torch.
 
-    python scripts/decode_bench.py [OUT_DIR]   # B=16, H=32, Hk=8, D=128, bf16
+    python scripts/decode_bench.py [OUT_DIR] [--num-splits 1,2,4] [--lengths 2048,4096]   # B=16, H=32, Hk=8, D=128, bf16
+
+`--num-splits` also times ours at those fixed split counts (entries `ours paged16 splits2`, ...)
+in the same interleave: the automatic choice against the alternatives, same process.
 """
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -75,7 +78,7 @@ def torch_calls(q, length: int) -> dict:
     return calls
 
 
-def main(out_dir: Path) -> None:
+def main(out_dir: Path, num_splits: tuple = (), lengths: tuple = ()) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         steady_heap()  # torch's CPU SDPA at its best in every process (bench.steady_heap)
@@ -83,14 +86,16 @@ def main(out_dir: Path) -> None:
     copy = copy_bandwidth(device)
     print(f"{device}: copy bandwidth {copy / 1e12:.2f} TB/s", flush=True)
     rows = []
-    for length in LENGTHS[device]:
+    for length in lengths or LENGTHS[device]:
         q = torch.randn(B, 1, H, D, device=device, dtype=DTYPE)
         fns = {}
         for page in PAGES:
             k, v, table = paged_cache(length, page, device)
-            fns[f"ours paged{page}"] = (lambda k, v, t: lambda: tvmflash.flash_attn_with_kvcache(
-                q, k, v, cache_seqlens=length, block_table=t))(k, v, table)
-            fns[f"ours paged{page}"]()
+            for splits in (0, *num_splits):
+                name = f"ours paged{page}" + (f" splits{splits}" if splits else "")
+                fns[name] = (lambda k, v, t, n: lambda: tvmflash.flash_attn_with_kvcache(
+                    q, k, v, cache_seqlens=length, block_table=t, num_splits=n))(k, v, table, splits)
+                fns[name]()
         torch_fns = torch_calls(q, length)
         screen = _interleaved_median_ms(torch_fns, rounds=1, iters=1, device=device)  # every backend and form once
         # The timed interleave holds ours and the torch calls within 2x of the fastest. The
@@ -116,6 +121,9 @@ def main(out_dir: Path) -> None:
                                           f"({row[f'bandwidth_fraction_paged{p}']:.2f} of copy, "
                                           f"x{row[f'vs_torch_paged{p}']:.2f})" for p in PAGES)
               + f"; {best_torch} {t[best_torch] * 1e3:.1f} us", flush=True)
+        if num_splits:
+            print("    fixed splits: " + ", ".join(f"{name[5:]} {ms * 1e3:.1f} us" for name, ms in t.items()
+                                                 if " splits" in name), flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = f"{cuda_tag()}-decode" if device == "cuda" else "cpu-kvcache-decode"  # (the Xeon run: cpu-xeon-16core-kvcache-decode)
     meta = {"machine": machine_info(device), "copy_bandwidth_bytes_per_s": copy,
@@ -134,4 +142,10 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results"))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", nargs="?", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--num-splits", default="", help="comma-separated fixed split counts also timed")
+    parser.add_argument("--lengths", default="", help="comma-separated cache lengths (default: the device's grid)")
+    args = parser.parse_args()
+    ints = lambda text: tuple(int(x) for x in text.split(",") if x)  # noqa: E731
+    main(args.out_dir, ints(args.num_splits), ints(args.lengths))

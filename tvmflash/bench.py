@@ -114,7 +114,11 @@ def _sync(device: str) -> None:
 
 
 def _mean_ms(fn: Callable[[], object], iters: int, device: str) -> float:
-    """Mean wall time of one call of ``fn`` over ``iters`` back-to-back calls, in ms."""
+    """Mean wall time of one call of ``fn`` over ``iters`` back-to-back calls, in ms, after one
+    untimed call: in an interleave the first call would pay for the caches the previous
+    function left (a decode at 1k keys reads 67 MB, which the Xeon's L3 and half the H200's L2
+    hold: the function timed after another's data ran 8-16% slower than after its own)."""
+    fn()
     if device == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
