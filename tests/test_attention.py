@@ -174,6 +174,31 @@ def test_decode_split_kv(dtype, lq, lk, monkeypatch):
     assert len(calls) == 8 * len(heads_k)  # two forwards (fused and split backward plans) per check
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_decode_split_kv_head_groups(dtype, monkeypatch):
+    """Dense K/V take one kv-head a task (ops.DENSE_KV_HEAD_GROUPS); the kernel still takes
+    groups of them as the KV cache's tasks do: groups of 4 (all), and of 2 with a short last
+    one (3 kv-heads), in SDPA's layout and in flash-attn's (strided views)."""
+    from tvmflash import ops
+
+    plans = []
+    plan = ops._cpu_split_plan
+    monkeypatch.setattr(ops, "_cpu_split_plan", lambda *a, **kw: plans.append(plan(*a, **kw)) or plans[-1])
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert ops._cpu_split_plan({"forward_split": 0}, "forward_split", 16, 32, 8, 1, 1024,
+                               kv_head_groups=False) == (0, 1, 1)
+    monkeypatch.setattr(ops, "DENSE_KV_HEAD_GROUPS", True)
+    run = lambda q, k, v: torch.ops.tvmflash.attention_forward(q, k, v, None, 64 ** -0.5, "none")  # noqa: E731
+    for b, h, hk, most in ((4, 8, 4, 8), (1, 6, 3, 2)):  # (8: the kernel clamps it to the 4 kv-heads)
+        q, k, v, dout = make(b, h, hk, 1, 300, 64, DTYPES[dtype])
+        for layout in ("sdpa", "flash"):
+            if layout == "flash":  # (B, L, H, D) tensors, seen as (B, H, L, D) views
+                q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+            plans.clear()
+            check_against_reference(q, k, v, dout, run, causal="none")
+            assert [p[1] for p in plans] == [most] * 2  # kv-heads a task, both forwards of the check
+
+
 def test_cpu_split_counts(monkeypatch):
     """The automatic splits of the CPU split-KV forward: a task a thread at least, at most
     SPLIT_TASK_KEYS keys a task (the Xeon's sweep), never more than one per 64-key block."""

@@ -262,13 +262,22 @@ def _cuda_forward_name(window: tuple, causal: bool) -> str:
     return "forward_short" if 0 <= left and 0 <= right and left + right <= limit else "forward"
 
 
+# Tasks of several kv-heads on dense K/V (the KV cache's always may: they share its page lookups).
+# Off: one kv-head a task streams its rows faster (Xeon, bf16 B = 16, H = 32, Hk = 8, Lq = 1,
+# same process, two runs, benchmarks/results/cpu-xeon-16core-dense-decode-kv-heads.jsonl: SDPA's
+# (B, Hk, L, D) 1.18-1.24x faster at 1k and 4k than tasks of 8, flash-attn's (B, L, Hk, D)
+# 0.96-1.10x).
+DENSE_KV_HEAD_GROUPS = False
+
+
 def _forward_split(kern: dict, q, k, v, out, lse, scale, mod_args) -> None:
     """Decode-like calls (few queries) on the CPU: a kv-head's query rows share a task, the keys
     are cut into splits (_cpu_splits) that the threads stream, then the partial results are
-    merged (a single split writes out and lse itself). The kernel, its kv-heads a task and the
-    splits depend on the shape (`_cpu_split_plan`)."""
+    merged (a single split writes out and lse itself). The kernel and the splits depend on the
+    shape (`_cpu_split_plan`)."""
     B, H, Lq, D = q.shape
-    split, kv_heads, splits = _cpu_split_plan(kern, "forward_split", B, H, k.shape[1], Lq, k.shape[2])
+    split, kv_heads, splits = _cpu_split_plan(kern, "forward_split", B, H, k.shape[1], Lq, k.shape[2],
+                                              kv_head_groups=DENSE_KV_HEAD_GROUPS)
     o_part = torch.empty((B, H, splits, Lq, D), dtype=torch.float32)
     lse_part = torch.empty((B, H, splits, Lq), dtype=torch.float32)
     split(q, k, v, o_part, lse_part, out, lse, scale, *mod_args, kv_heads)
@@ -404,11 +413,13 @@ def _split_kernel(kern: dict, name: str, rows_per_kv_head: int) -> tuple:
     return kern[name], SPLIT_BLOCK_ROWS, SPLIT_MAX_KV_HEADS
 
 
-def _cpu_split_plan(kern: dict, name: str, B: int, H: int, Hk: int, Lq: int, keys: int, requested: int = 0) -> tuple:
+def _cpu_split_plan(kern: dict, name: str, B: int, H: int, Hk: int, Lq: int, keys: int, requested: int = 0,
+                    kv_head_groups: bool = True) -> tuple:
     """(kernel, kv-heads a task, splits) of a CPU split-KV call of `name`: `_split_kernel`,
-    `_task_kv_heads`, `_cpu_splits` (`requested` splits, 0: automatic)."""
+    `_task_kv_heads` (one without `kv_head_groups`), `_cpu_splits` (`requested` splits, 0:
+    automatic)."""
     split, rows, most_kv_heads = _split_kernel(kern, name, H // Hk * Lq)
-    kv_heads = _task_kv_heads(B, H, Hk, Lq, rows, most_kv_heads)
+    kv_heads = _task_kv_heads(B, H, Hk, Lq, rows, most_kv_heads) if kv_head_groups else 1
     return split, kv_heads, _cpu_splits(B, H, Hk, Lq, keys, requested, rows, kv_heads)
 
 

@@ -5,7 +5,8 @@ s_tir TensorIR, and the kernel that merges its partial results.
 rows); a kv-head's rows are the queries of its query heads (GQA packs the group), and its
 kv-blocks are cut into `splits` consecutive ranges so that few queries still fill the cores. A
 task takes each kv-block for each of its kv-heads in turn: its reads run along whole token
-rows (Xeon, B=16 Hk=8, 8 kv-heads a task: 1.05-1.11x faster than one; ops._task_kv_heads).
+rows (Xeon, B=16 Hk=8, paged cache, 8 kv-heads a task: 1.05-1.11x faster than one;
+ops._task_kv_heads; dense K/V stream faster one kv-head a task: ops.DENSE_KV_HEAD_GROUPS).
 With so few queries there is no matmul worth the name: K and V are read in place (no tile
 copies), each key row once per task, converted to fp32 once and used by all the task's rows
 from registers (QK^T as per-lane products, whose lane sums 16 keys at a time take a tree of shuffles, `store_lane_sums`; PV
