@@ -264,9 +264,9 @@ def _cuda_forward_name(window: tuple, causal: bool) -> str:
 
 # Tasks of several kv-heads on dense K/V (the KV cache's always may: they share its page lookups).
 # Off: one kv-head a task streams its rows faster (Xeon, bf16 B = 16, H = 32, Hk = 8, Lq = 1,
-# same process, two runs, benchmarks/results/cpu-xeon-16core-dense-decode-kv-heads.jsonl: SDPA's
-# (B, Hk, L, D) 1.18-1.24x faster at 1k and 4k than tasks of 8, flash-attn's (B, L, Hk, D)
-# 0.96-1.10x).
+# same process, three runs, benchmarks/results/cpu-xeon-16core-dense-decode-kv-heads.jsonl: SDPA's
+# (B, Hk, L, D) 1.10-1.24x faster at 1k and 4k than tasks of 8; flash-attn's (B, L, Hk, D)
+# 0.87-1.10x, no side clear of the noise).
 DENSE_KV_HEAD_GROUPS = False
 
 

@@ -1,0 +1,70 @@
+"""What the KV cache's layout costs the CUDA decode (pages of fewer than 128 keys: the `decode`
+kernel): the same bytes and the same CTAs, (batch, kv-head) pairs, read three ways, timed
+interleaved with cuDNN on the dense padded problem (decode_bench.py's torch side):
+
+- `interleaved`: issue 6's shape, B = 16, H = 32, Hk = 8, pages of 16 keys: a CTA reads 256 of
+  every 2048 bytes of its pages (the cache puts a key's kv-heads side by side);
+- `one kv-head, pages of P`: B = 128, H = 4, Hk = 1, pages of P keys: a CTA reads its pages
+  whole (P x 256 contiguous bytes; P = 128 is the interleaved page's 32 KB).
+
+If the contiguous pages read at cuDNN's speed where the interleaved ones do not, CTAs that read
+whole token rows (all kv-heads of a batch entry) are the way to close the gap.
+
+    python scripts/decode_layout_probe.py [--lengths 2048,4096,8192] [--out F.jsonl]
+"""
+import argparse
+import json
+
+import torch
+
+import tvmflash
+from tvmflash import ops
+from tvmflash.bench import _interleaved_median_ms, machine_info
+
+D = 128
+DTYPE = torch.bfloat16
+
+
+def paged(batch: int, heads_k: int, length: int, page: int, seed: int):
+    """K and V caches of `batch` sequences of `length` keys in shuffled pages, and the table."""
+    per_seq = length // page
+    order = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(seed)).cuda()
+    k, v = (torch.randn(batch * per_seq, page, heads_k, D, device="cuda", dtype=DTYPE) for _ in range(2))
+    return k, v, order.view(batch, per_seq).to(torch.int32)
+
+
+def main(lengths, out) -> None:
+    torch.manual_seed(0)
+    ops.DECODE_LONG_PAGE = 1 << 30  # every page size on the `decode` kernel: one kernel and knobs for all
+    for length in lengths:
+        fns = {}
+        for name, batch, heads, heads_k, page in (("interleaved, pages of 16", 16, 32, 8, 16),
+                                                  ("one kv-head, pages of 16", 128, 4, 1, 16),
+                                                  ("one kv-head, pages of 128", 128, 4, 1, 128)):
+            q = torch.randn(batch, 1, heads, D, device="cuda", dtype=DTYPE)
+            k, v, table = paged(batch, heads_k, length, page, length + page)
+            fns[name] = (lambda q, k, v, t: lambda: tvmflash.flash_attn_with_kvcache(
+                q, k, v, cache_seqlens=length, block_table=t))(q, k, v, table)
+            fns[name]()
+        q = torch.randn(16, 32, 1, D, device="cuda", dtype=DTYPE)
+        kd, vd = (torch.randn(16, 8, length, D, device="cuda", dtype=DTYPE) for _ in range(2))
+
+        def cudnn():
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(q, kd, vd, enable_gqa=True)
+        fns["cudnn dense"] = cudnn
+        ms = _interleaved_median_ms(fns, rounds=7, iters=20, device="cuda")
+        row = {"length": length, "us": {n: round(t * 1e3, 2) for n, t in ms.items()},
+               "vs_cudnn": {n: round(ms["cudnn dense"] / t, 3) for n, t in ms.items()}}
+        print(json.dumps(row), flush=True)
+        if out:
+            with open(out, "a") as f:
+                f.write(json.dumps({**row, "gpu": machine_info("cuda").get("gpu")}) + "\n")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="2048,4096,8192")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    main([int(x) for x in args.lengths.split(",")], args.out)
