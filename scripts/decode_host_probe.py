@@ -1,0 +1,68 @@
+"""Where a decode call's time goes besides its kernel: flash_attn_with_kvcache (bf16 B=16,
+H=32, Hk=8, D=128, Lq=1, shuffled pages of 16) timed whole, with its kernel replaced by a no-op
+(the host path: validation, plan lookup, output allocation), and its kernel alone, called with
+the plan's arguments (the FFI call and, on a CPU, the thread pool's launch), interleaved in one
+process on the GPU (or, without one, the CPU).
+
+    python scripts/decode_host_probe.py [--lengths 16,1024] [--out F.jsonl]
+"""
+import argparse
+import json
+
+import torch
+
+import tvmflash
+from tvmflash import ops
+from tvmflash.bench import _interleaved_median_ms, machine_info
+
+B, H, HK, D, PAGE = 16, 32, 8, 128, 16
+
+
+def main(lengths, out_path) -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    for length in lengths:
+        q = torch.randn(B, 1, H, D, device=device, dtype=torch.bfloat16)
+        k, v = (torch.randn(B * length // PAGE, PAGE, HK, D, device=device, dtype=torch.bfloat16) for _ in range(2))
+        table = torch.randperm(B * length // PAGE, device=device).view(B, -1).to(torch.int32)
+        ops._decode_plans.clear()
+        call = lambda: tvmflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=length, block_table=table)  # noqa: E731
+        call()
+        (key, plan), = ops._decode_plans.items()
+        spec, kernel, scratch, combine, tail = plan
+        idle = (spec, lambda *args: None, scratch, None, tail)
+        zeros = torch.zeros(B, dtype=torch.int32, device=device)
+        out = torch.empty(B, 1, H, D, device=device, dtype=torch.bfloat16)
+        lse = torch.empty(B, H, 1, device=device)
+        qh, out_bhld = q.transpose(1, 2), out.transpose(1, 2)
+
+        def host_path():
+            ops._decode_plans[key] = idle
+            try:
+                call()
+            finally:
+                ops._decode_plans[key] = plan
+
+        def kernel_alone():
+            kernel(qh, k, v, table, zeros, zeros, length, scratch[0], scratch[1], out_bhld, lse, *scratch[2:],
+                   D ** -0.5, *tail)
+            if combine is not None:
+                combine(*scratch[:2], out_bhld, lse)
+
+        ms = _interleaved_median_ms({"call": call, "host path": host_path, "kernel alone": kernel_alone},
+                                    rounds=7, iters=50, device=device)
+        row = {"device": device, "length": length, "us": {n: round(t * 1e3, 1) for n, t in ms.items()},
+               "threads": torch.get_num_threads()}
+        print(json.dumps(row), flush=True)
+        if out_path:
+            with open(out_path, "a") as f:
+                info = machine_info(device)
+                f.write(json.dumps({**row, "machine": info.get("gpu", info["cpu_model"])}) + "\n")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="16,1024")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    main([int(x) for x in args.lengths.split(",")], args.out)
