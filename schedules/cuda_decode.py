@@ -39,10 +39,12 @@ keys, one CTA an SM read at 0.69-0.87x cuDNN's speed whatever its tile and ring 
 (64-key tiles, 3 buffers, 2 splits) at 0.96-0.99x; in pages of 256, one CTA an SM on 128-key
 tiles with 2 buffers and no splits at 1.01-1.02x, where the two-CTA plan reached 0.98-0.99x.
 
-Knobs (`DEFAULTS`; `<phase>_` names them: decode_block_n, decode_long_block_n, ...):
+Knobs (`DEFAULTS`, fitted to a spec's head dim by `default_knobs`; `<phase>_` names them:
+decode_block_n, decode_long_block_n, ...):
     block_n     keys per K/V tile (a multiple of 16 x warps)
     warps       warps per CTA (1, 2, 4, 8), each on block_n / warps keys of a tile
-    stages      ring buffers (2 .. 4)
+    stages      ring buffers (2 .. 6; the pool must fit an SM's 227 KB: 6 x 64 keys at head dim
+                128 is the two-CTA plan's ring in one CTA, untuned)
     l2_prefetch L2 prefetch size of the K/V copies in bytes (0: none, 64, 128, 256; on the
                 H200 256 added 19% to the L2 traffic of swizzled copies)
 (and `<phase>_ctas_per_sm`, read by ops.decode_kv_cache: the automatic num_splits aims at about
@@ -60,12 +62,24 @@ from tvmflash.kernels.decode import PAGE_ALIGN, declare_decode_args
 from tvmflash.kernels.score_mods import ScoreIndex
 from tvmflash.spec import DECODE_ROWS as ROWS
 from tvmflash.spec import AttentionSpec
+from tvmflash.tuning import DECODE_PHASES
 
-from .cuda_mma import (CP_ASYNC, LN2, PAD, SwizzledRows, copy_tile, load_a, load_b, load_b_trans, mma_16x16, mma_op, rescale_rows,
-                       row_reciprocal, smem_scope, softmax_tile, to_a_fragments)
+from .cuda_mma import (CP_ASYNC, LN2, PAD, SHARED_LIMIT, SwizzledRows, copy_tile, load_a, load_b, load_b_trans,
+                       mma_16x16, mma_op, rescale_rows, row_reciprocal, smem_scope, softmax_tile, to_a_fragments)
 
 DEFAULTS = {"decode_block_n": 32, "decode_warps": 1, "decode_stages": 3, "decode_l2_prefetch": 0,
             "decode_long_block_n": 128, "decode_long_warps": 4, "decode_long_stages": 2, "decode_long_l2_prefetch": 0}
+
+
+def default_knobs(spec: AttentionSpec) -> dict:
+    """DEFAULTS, each phase's tile halved (down to 16 keys a warp) until its pool fits an SM's
+    shared memory: decode_long's 128 keys x 2 buffers take 265 KB at head dim 256."""
+    knobs = dict(DEFAULTS)
+    for phase in DECODE_PHASES:
+        bn, w, st = (f"{phase}_{k}" for k in ("block_n", "warps", "stages"))
+        while shared_bytes(spec.head_dim, knobs[bn], knobs[w], knobs[st]) > SHARED_LIMIT and knobs[bn] > PAGE_ALIGN * knobs[w]:
+            knobs[bn] //= 2
+    return knobs
 
 
 def row_width(head_dim: int) -> int:
@@ -183,9 +197,12 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict, phase: str = "decode") 
     COPY = CP_ASYNC + (f".L2::{L2}B" if L2 else "")
     if not supports(spec):
         raise ValueError(f"the CUDA decode kernel does not compute {spec}")
-    if W not in (1, 2, 4, 8) or BN % (PAGE_ALIGN * W) or not 16 <= BN <= 256 or ST not in (2, 3, 4):
+    if W not in (1, 2, 4, 8) or BN % (PAGE_ALIGN * W) or not 16 <= BN <= 256 or not 2 <= ST <= 6:
         raise ValueError(f"bad decode knobs: block_n {BN} (a multiple of 16 x warps up to 256), warps {W} (1, 2, "
-                         f"4, 8), stages {ST} (2 .. 4)")
+                         f"4, 8), stages {ST} (2 .. 6)")
+    if shared_bytes(D, BN, W, ST) > SHARED_LIMIT:
+        raise ValueError(f"decode knobs block_n {BN}, warps {W}, stages {ST} need {shared_bytes(D, BN, W, ST)} bytes "
+                         f"of shared memory at head dim {D}, more than the {SHARED_LIMIT} an SM gives a CTA")
     MMA = mma_op(dt)
     BW = BN // W  # keys of a tile each warp takes
     NS, ND = BW // 8, D // 8

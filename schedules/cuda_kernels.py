@@ -13,7 +13,8 @@ from . import cuda_backward, cuda_backward_wgmma, cuda_decode, cuda_forward, cud
 def default_knobs(spec: AttentionSpec) -> dict:
     """Every CUDA schedule's default knobs for `spec`."""
     return {**cuda_forward.default_knobs(spec), **cuda_forward_wgmma.default_knobs(spec),
-            **cuda_backward.default_knobs(spec), **cuda_backward_wgmma.default_knobs(spec), **cuda_decode.DEFAULTS}
+            **cuda_backward.default_knobs(spec), **cuda_backward_wgmma.default_knobs(spec),
+            **cuda_decode.default_knobs(spec)}
 
 
 def kernels(spec: AttentionSpec, arch: str, knobs: dict) -> dict:

@@ -65,6 +65,9 @@ def mma_op(dtype: str) -> str:
     return f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32"
 
 
+SHARED_LIMIT = 227 * 1024  # shared memory a CTA may take on sm_90 (the tuner's grids keep within it)
+
+
 def smem_scope(nbytes: int) -> str:
     """Static shared memory up to 48 KB, else the (single) dynamic allocation."""
     return "shared" if nbytes <= 48 * 1024 else "shared.dyn"

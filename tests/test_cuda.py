@@ -81,6 +81,40 @@ def test_cuda_decode_kernel_builds_for_other_warp_counts(head_dim, warps, block_
     build_module(spec, cuda_target("sm_90a"), {"decode_warps": warps, "decode_block_n": block_n})
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cuda_decode_knobs_fit_shared_memory(dtype):
+    """Every head dim's decode knobs (defaults fitted by cuda_decode.default_knobs, under the
+    tuning records) leave each kernel's pool within an SM's shared memory: decode_long's
+    default 128-key tiles did not at head dim 256 (265 KB), a launch that would have failed."""
+    from tvmflash.build import cuda_target, default_knobs
+    from tvmflash.schedules.cuda_decode import shared_bytes
+    from tvmflash.schedules.cuda_mma import SHARED_LIMIT
+    from tvmflash.tuning import DECODE_PHASES, tuned_knobs
+
+    for d in (32, 64, 96, 128, 192, 256):
+        spec = AttentionSpec(dtype, d, kv_cache=True)
+        knobs = {**default_knobs(spec, cuda_target("sm_90a")), **tuned_knobs("cuda", spec)}
+        for phase in DECODE_PHASES:
+            need = shared_bytes(d, *(knobs[f"{phase}_{k}"] for k in ("block_n", "warps", "stages")))
+            assert need <= SHARED_LIMIT, (d, phase, need)
+
+
+@needs_nvcc
+def test_cuda_decode_kernel_builds_with_a_deep_ring():
+    """Six ring buffers of 64 keys (head dim 128, 4 warps: 201 KB, the two-CTA plan's ring in
+    one CTA, for a one-CTA-an-SM plan without splits) build; a pool past an SM's 227 KB is
+    refused with its size, before any code is generated."""
+    from tvmflash.build import build_module, cuda_target
+    from tvmflash.schedules.cuda_decode import DEFAULTS, decode_kernel_cuda
+
+    spec = AttentionSpec("bfloat16", 128, kv_cache=True)
+    build_module(spec, cuda_target("sm_90a"), {"decode_warps": 4, "decode_block_n": 64, "decode_stages": 6})
+    with pytest.raises(ValueError, match="bytes of shared memory at head dim 128"):
+        decode_kernel_cuda(spec, {**DEFAULTS, "decode_warps": 4, "decode_block_n": 128, "decode_stages": 6})
+    with pytest.raises(ValueError, match=r"stages 7 \(2 \.\. 6\)"):
+        decode_kernel_cuda(spec, {**DEFAULTS, "decode_stages": 7})
+
+
 @needs_nvcc
 @pytest.mark.parametrize("knobs", [{}, {"wgmma_stages": 2, "wgmma_pingpong": 0}, {"wgmma_stages": 4, "wgmma_block_n": 64},
                                    {"wgmma_producer": 0}], ids=["default", "2stages-free", "4stages", "lockstep"])
@@ -696,7 +730,8 @@ def test_cuda_varlen(dtype, d, causal, window, alibi, dropout_p, lengths_q, leng
 # flash_attn_with_kvcache reading the cache in place: (dtype, head dim, (heads, kv heads), softcap, alibi)
 # fp16 d128: the record with the most shared memory; bf16 d96: padded shared-memory rows (the others swizzled)
 CUDA_KVCACHE = [(torch.bfloat16, 128, (8, 2), 0.0, False), (torch.float16, 64, (4, 4), 30.0, True),
-                (torch.float16, 128, (6, 1), 0.0, False), (torch.bfloat16, 96, (4, 2), 0.0, False)]
+                (torch.float16, 128, (6, 1), 0.0, False), (torch.bfloat16, 96, (4, 2), 0.0, False),
+                (torch.bfloat16, 256, (4, 1), 0.0, False)]  # (256: decode_long's tile fitted to shared memory)
 
 
 def cuda_kvcache_specs() -> list:

@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from tvmflash import tune
+from tvmflash.schedules.cuda_mma import SHARED_LIMIT
 from tvmflash.spec import AttentionSpec
 
 
 def test_candidates_respect_shared_memory_and_registers():
     for d in (64, 128, 256):
         for knobs in tune.candidates(AttentionSpec("float16", d), arch="sm_80"):
-            assert (knobs["block_m"] + 2 * knobs["stages"] * knobs["block_n"]) * (d + 8) * 2 <= tune.SMEM_LIMIT
+            assert (knobs["block_m"] + 2 * knobs["stages"] * knobs["block_n"]) * (d + 8) * 2 <= SHARED_LIMIT
             assert not (knobs["q_in_registers"] and d > 128)
             assert knobs["warp_m_tiles"] == 1 or d <= 128
     assert len(tune.candidates(AttentionSpec("float16", 64), arch="sm_80")) == 40  # (12 one-tile + 8 two-tile) x 2 rings
@@ -26,7 +27,7 @@ def test_hopper_candidates_are_the_wgmma_knobs_that_fit():
     for d, count in ((64, 4), (128, 4), (256, 2)):  # D=256: block_n 128 does not fit shared memory
         cands = tune.candidates(AttentionSpec("bfloat16", d))
         assert len(cands) == count and all(c["forward_wgmma"] == 1 for c in cands)
-        assert all((64 * c["wgmma_warpgroups"] + 4 * c["wgmma_block_n"]) * d * 2 <= tune.SMEM_LIMIT for c in cands)
+        assert all((64 * c["wgmma_warpgroups"] + 4 * c["wgmma_block_n"]) * d * 2 <= SHARED_LIMIT for c in cands)
     assert tune.candidates(AttentionSpec("float16", 128), "backward") == [
         {"bwd_wgmma": 1, "bwd_wgmma_warpgroups": wg, "bwd_wgmma_block_m": 64} for wg in (1, 2)]
     assert len(tune.candidates(AttentionSpec("float16", 64), "backward")) == 4  # block_m 128 too
@@ -95,7 +96,7 @@ def test_decode_candidates_and_records(phase):
     assert cands and all(set(c) == names for c in cands)
     block_n, warps, stages = (lambda c, k=k: c[f"{phase}_{k}"] for k in ("block_n", "warps", "stages"))
     # head dim 128: unpadded (swizzled) shared-memory rows of 256 bytes, Q's 16 rows and the K/V ring
-    assert all((16 + 2 * stages(c) * block_n(c)) * 128 * 2 <= tune.SMEM_LIMIT for c in cands)
+    assert all((16 + 2 * stages(c) * block_n(c)) * 128 * 2 <= SHARED_LIMIT for c in cands)
     assert all(block_n(c) % (16 * warps(c)) == 0 for c in cands)  # 16-key slices per warp
     assert {warps(c) for c in cands} == {1, 2, 4, 8}
     assert {c[f"{phase}_l2_prefetch"] for c in cands} == {0}  # 256 only added L2 traffic (cuda_decode.py)

@@ -58,13 +58,13 @@ CPU_PHASE_KERNELS = {"forward": ("forward", "forward_long", "forward_pack", "for
 CPU_MATMULS = {"forward": {"forward": ("qk", "pv")},
                "backward": {"backward_fused": ("qk", "dp", "dv", "dk", "dq"),
                             "backward_dkdv": ("qk", "dp", "dv", "dk"), "backward_dq": ("qk", "dp", "dq")}}
-SMEM_LIMIT = 227 * 1024
 
 
 def candidates(spec: AttentionSpec, phase: str = "forward", arch: str = "sm_90a") -> list[dict]:
     """The knob grid of `phase`'s kernels for `spec` on `arch`: the wgmma kernels' knobs where
     they take the spec (sm_90a), else the mma.sync kernels'."""
     from .schedules import cuda_backward_wgmma, cuda_forward_wgmma
+    from .schedules.cuda_mma import SHARED_LIMIT
 
     row_bytes = (spec.head_dim + 8) * 2
     out = []
@@ -74,18 +74,18 @@ def candidates(spec: AttentionSpec, phase: str = "forward", arch: str = "sm_90a"
 
         shapes = [(1, 16), (1, 32), (1, 64), (2, 64), (2, 128), (4, 64), (4, 128), (8, 128)]  # (warps, block_n)
         return [{f"{phase}_warps": w, f"{phase}_block_n": bn, f"{phase}_stages": st, f"{phase}_l2_prefetch": 0}
-                for (w, bn), st in itertools.product(shapes, (2, 3)) if shared_bytes(d, bn, w, st) <= SMEM_LIMIT]
+                for (w, bn), st in itertools.product(shapes, (2, 3)) if shared_bytes(d, bn, w, st) <= SHARED_LIMIT]
     if phase == "forward" and cuda_forward_wgmma.supports(spec, arch):
         # a softcap's exponents split between MUFU and the FMA pipe (knob of no other spec)
         polys = [{"wgmma_poly_exp2": k} for k in (0, 1, 2)] if "softcap" in spec.variants else [{}]
         for bn, wg, poly in itertools.product((64, 128), (1, 2), polys):
-            if (64 * wg + 4 * bn) * d * 2 <= SMEM_LIMIT:  # Q + two K and two V tiles
+            if (64 * wg + 4 * bn) * d * 2 <= SHARED_LIMIT:  # Q + two K and two V tiles
                 out.append({"forward_wgmma": 1, "wgmma_block_n": bn, "wgmma_warpgroups": wg, **poly})
     elif phase == "forward":
         for bm, bn, q_regs, mt, st in itertools.product((64, 128), (32, 64, 128), (1, 0), (1, 2), (2, 3)):
             # two m-tiles per warp double the accumulators: only where registers allow
             fits_regs = mt == 1 or (bn <= 64 and (d <= 64 or (d <= 128 and bn == 32 and not q_regs)))
-            if (bm + 2 * st * bn) * row_bytes <= SMEM_LIMIT and not (q_regs and d > 128) and fits_regs:
+            if (bm + 2 * st * bn) * row_bytes <= SHARED_LIMIT and not (q_regs and d > 128) and fits_regs:
                 out.append({"block_m": bm, "block_n": bn, "q_in_registers": q_regs, "warp_m_tiles": mt,
                             "stages": st})
     elif cuda_backward_wgmma.supports(spec, arch):
@@ -96,7 +96,7 @@ def candidates(spec: AttentionSpec, phase: str = "forward", arch: str = "sm_90a"
         for bn, bm, stages, split in itertools.product((64, 128), (32, 64), (2, 3), (1, 2)):
             # split: two CTAs per kv-block share the gradient columns (for large head dims)
             smem = (2 * bn + 2 * stages * bm) * row_bytes + 2 * bn * (bm + 8) * 2 + stages * bm * 8
-            if smem <= SMEM_LIMIT and (split == 1) == (d <= 128):
+            if smem <= SHARED_LIMIT and (split == 1) == (d <= 128):
                 out.append({"bwd_block_n": bn, "bwd_block_m": bm, "bwd_stages": stages, "bwd_d_split": split})
     return out
 
