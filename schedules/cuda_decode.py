@@ -200,9 +200,10 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict, phase: str = "decode") 
     if W not in (1, 2, 4, 8) or BN % (PAGE_ALIGN * W) or not 16 <= BN <= 256 or not 2 <= ST <= 6:
         raise ValueError(f"bad decode knobs: block_n {BN} (a multiple of 16 x warps up to 256), warps {W} (1, 2, "
                          f"4, 8), stages {ST} (2 .. 6)")
-    if shared_bytes(D, BN, W, ST) > SHARED_LIMIT:
-        raise ValueError(f"decode knobs block_n {BN}, warps {W}, stages {ST} need {shared_bytes(D, BN, W, ST)} bytes "
-                         f"of shared memory at head dim {D}, more than the {SHARED_LIMIT} an SM gives a CTA")
+    need = shared_bytes(D, BN, W, ST)
+    if need > SHARED_LIMIT:
+        raise ValueError(f"decode knobs block_n {BN}, warps {W}, stages {ST} need {need} bytes of shared memory at "
+                         f"head dim {D}, more than the {SHARED_LIMIT} an SM gives a CTA")
     MMA = mma_op(dt)
     BW = BN // W  # keys of a tile each warp takes
     NS, ND = BW // 8, D // 8

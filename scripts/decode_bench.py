@@ -49,12 +49,13 @@ def copy_bandwidth(device: str, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def paged_cache(length: int, page: int, device: str):
-    """K and V caches of B sequences of `length` keys in shuffled pages, and their block table."""
+def paged_cache(length: int, page: int, device: str, batch: int = B, heads_k: int = HK):
+    """K and V caches of `batch` sequences of `length` keys in shuffled pages, and their block
+    table."""
     per_seq = length // page
-    order = torch.randperm(B * per_seq, generator=torch.Generator().manual_seed(length + page)).to(device)
-    k, v = (torch.randn(B * per_seq, page, HK, D, device=device, dtype=DTYPE) for _ in range(2))
-    return k, v, order.view(B, per_seq).to(torch.int32)
+    order = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(length + page)).to(device)
+    k, v = (torch.randn(batch * per_seq, page, heads_k, D, device=device, dtype=DTYPE) for _ in range(2))
+    return k, v, order.view(batch, per_seq).to(torch.int32)
 
 
 def torch_calls(q, length: int) -> dict:

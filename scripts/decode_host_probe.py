@@ -12,19 +12,17 @@ import json
 import torch
 
 import tvmflash
+from decode_bench import B, D, DTYPE, H, paged_cache
 from tvmflash import ops
 from tvmflash.bench import _interleaved_median_ms, machine_info
-
-B, H, HK, D, PAGE = 16, 32, 8, 128, 16
 
 
 def main(lengths, out_path) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     for length in lengths:
-        q = torch.randn(B, 1, H, D, device=device, dtype=torch.bfloat16)
-        k, v = (torch.randn(B * length // PAGE, PAGE, HK, D, device=device, dtype=torch.bfloat16) for _ in range(2))
-        table = torch.randperm(B * length // PAGE, device=device).view(B, -1).to(torch.int32)
+        q = torch.randn(B, 1, H, D, device=device, dtype=DTYPE)
+        k, v, table = paged_cache(length, 16, device)
         ops._decode_plans.clear()
         call = lambda: tvmflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=length, block_table=table)  # noqa: E731
         call()
@@ -32,7 +30,7 @@ def main(lengths, out_path) -> None:
         spec, kernel, scratch, combine, tail = plan
         idle = (spec, lambda *args: None, scratch, None, tail)
         zeros = torch.zeros(B, dtype=torch.int32, device=device)
-        out = torch.empty(B, 1, H, D, device=device, dtype=torch.bfloat16)
+        out = torch.empty(B, 1, H, D, device=device, dtype=DTYPE)
         lse = torch.empty(B, H, 1, device=device)
         qh, out_bhld = q.transpose(1, 2), out.transpose(1, 2)
 

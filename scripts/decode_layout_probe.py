@@ -27,19 +27,9 @@ import json
 import torch
 
 import tvmflash
+from decode_bench import D, DTYPE, paged_cache
 from tvmflash import ops
 from tvmflash.bench import _interleaved_median_ms, machine_info
-
-D = 128
-DTYPE = torch.bfloat16
-
-
-def paged(batch: int, heads_k: int, length: int, page: int, seed: int):
-    """K and V caches of `batch` sequences of `length` keys in shuffled pages, and the table."""
-    per_seq = length // page
-    order = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(seed)).cuda()
-    k, v = (torch.randn(batch * per_seq, page, heads_k, D, device="cuda", dtype=DTYPE) for _ in range(2))
-    return k, v, order.view(batch, per_seq).to(torch.int32)
 
 
 def main(kernel: str, lengths, out) -> None:
@@ -52,7 +42,7 @@ def main(kernel: str, lengths, out) -> None:
                                                   ("one kv-head, pages of 128", 128, 4, 1, 128),
                                                   ("interleaved, pages of 256", 16, 32, 8, 256)):
             q = torch.randn(batch, 1, heads, D, device="cuda", dtype=DTYPE)
-            k, v, table = paged(batch, heads_k, length, page, length + page)
+            k, v, table = paged_cache(length, page, "cuda", batch, heads_k)
             fns[name] = (lambda q, k, v, t: lambda: tvmflash.flash_attn_with_kvcache(
                 q, k, v, cache_seqlens=length, block_table=t))(q, k, v, table)
             fns[name]()
