@@ -49,11 +49,18 @@ def copy_bandwidth(device: str, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def paged_cache(length: int, page: int, device: str, batch: int = B, heads_k: int = HK):
+def paged_cache(length: int, page: int, device: str, batch: int = B, heads_k: int = HK, shuffle_within: int = 0):
     """K and V caches of `batch` sequences of `length` keys in shuffled pages, and their block
-    table."""
+    table. `shuffle_within` > 0 shuffles the pages only within consecutive runs of that many
+    (1: pages in order, each sequence's contiguous)."""
     per_seq = length // page
-    order = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(length + page)).to(device)
+    pages = batch * per_seq
+    gen = torch.Generator().manual_seed(length + page)
+    if shuffle_within:
+        runs = torch.arange(pages).split(shuffle_within)
+        order = torch.cat([run[torch.randperm(len(run), generator=gen)] for run in runs]).to(device)
+    else:
+        order = torch.randperm(pages, generator=gen).to(device)
     k, v = (torch.randn(batch * per_seq, page, heads_k, D, device=device, dtype=DTYPE) for _ in range(2))
     return k, v, order.view(batch, per_seq).to(torch.int32)
 
