@@ -26,11 +26,12 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..kernels.backward import declare_backward_inputs, load_row_stats
-from ..kernels.common import F32, KernelArgs, Shape, fast_exp
+from ..kernels.common import F32, LOG2E, KernelArgs, Shape, fast_exp
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
-from .amx import (BF16, PAIR, TILES, MatrixUnit, amx_dropout_buffers, bf16_pairs, bf16_row, dropout_tile_16, pair_bits,
-                  stage_rows, store_word_halves, store_words, word_column)
-from .amx_forward import amx_supported, dropped, modified, z_rows
+from .amx import (BF16, PAIR, TILES, MatrixUnit, amx_dropout_buffers, bf16_pairs, bf16_row, dropout_tile_16, exp2_16,
+                  pair_bits, stage_rows, store_word_halves, store_words, word_column)
+from .amx_forward import (amx_supported, dropped, modified, odd_tanh, small_limit, small_scores, tanh_16,
+                          tanh_coefficients, z_rows)
 
 __all__ = ["amx_supported", "backward_amx_pack_kernel", "backward_amx_kernel"]
 
@@ -153,6 +154,75 @@ def step_gradients(score, scale, sT, dpT, pT, dsT, zT, lse_t, delta_t, b, h, q0,
                     sT[vj, vi] * scale, step_index(b, h, q0, k0, vi, vj, LQ, LK, masked))
 
 
+def whole_tile_form(score: ScorePipeline, scale):
+    """How `whole_gradients` takes a whole tile's P and dS: ("plain", scale) without value modifiers,
+    ("softcap", a, c) for a lone softcap (modified score c tanh(a s)), None for other pipelines
+    (the generic `step_gradients`)."""
+    if not score.changes_values:
+        return ("plain", scale)
+    squashed = score.squashed_values(scale)
+    return None if squashed is None else ("softcap", *squashed)
+
+
+def tile_gradient(form, s, dp, lse2, delta, squash: str, coefficients):
+    """(P, dS) of 16 queries of a whole tile's key row, from raw scores s, dP (times dropout's
+    Z) and the row's lse in log2 units: P = 2^(s scale log2 e - lse2) (`exp2_16`), dS = P (dP -
+    delta), and for a softcap P = 2^(c tanh(a s) log2 e - lse2) with dS times 1 - tanh^2, tanh
+    from `odd_tanh` (`squash` "small": every |s| of the tile within `small_limit`) or `tanh_16`.
+    (`coefficients`: odd_tanh's for tanh(a s) itself.)"""
+    if form[0] == "plain":
+        p = exp2_16(s * tirx.Broadcast(form[1] * T.float32(LOG2E), 16) - lse2)
+        return p, p * (dp - delta)
+    _, inner, cap = form
+    if squash == "small":
+        t = odd_tanh(s, coefficients)
+    else:
+        t = tanh_16(s * tirx.Broadcast(inner * T.float32(2 * LOG2E), 16))
+    p = exp2_16(t * tirx.Broadcast(cap * T.float32(LOG2E), 16) - lse2)
+    return p, p * (dp - delta) * (tirx.Broadcast(T.float32(1), 16) - t * t)
+
+
+@T.inline
+def gradient_rows(name, form, sT, dpT, pT, dsT, zT, lse2, delta_t, BQ, BK, squash, coefficients, dropout):
+    """P^T and dS^T of a whole tile, 16 queries a vector (`tile_gradient`)."""
+    for j in T.serial(BK):
+        with T.sblock(name):
+            vj = T.axis.remap("S", [j])
+            T.reads(sT[vj, 0:BQ], dpT[vj, 0:BQ], lse2[0:BQ], delta_t[0:BQ], z_rows(zT, vj, 1, BQ, dropout))
+            T.writes(pT[vj, 0:BQ], dsT[vj, 0:BQ])
+            for ic in T.serial(BQ // 16):
+                cols = T.meta_var(T.Ramp(ic * 16, 1, 16))
+                p, ds = T.meta_var(tile_gradient(form, sT[vj, cols], dropped(dpT[vj, cols], zT, vj, cols, dropout),
+                                                 lse2[cols], delta_t[cols], squash, coefficients))
+                pT[vj, cols] = p
+                dsT[vj, cols] = ds
+
+
+@T.inline
+def whole_gradients(form, sT, dpT, pT, dsT, zT, lse_t, delta_t, BQ, BK, dropout):
+    """`step_gradients` of a whole tile in explicit 16-lane code on `exp2_16` (Xeon-class
+    AMX dev box, bf16 L=4096 D=128, same process: softcap's backward ~0.6x -> see README of
+    the plain one, one tanh a score where the generic pass took three exps and two divisions);
+    a softcap's tile takes `odd_tanh` where all its scores are small."""
+    with T.sblock("whole_gradients"):
+        T.reads(sT[0:BK, 0:BQ], dpT[0:BK, 0:BQ], lse_t[0:BQ], delta_t[0:BQ], z_rows(zT, 0, BK, BQ, dropout))
+        T.writes(pT[0:BK, 0:BQ], dsT[0:BK, 0:BQ])
+        lse2 = T.sblock_alloc_buffer((BQ,), F32)
+        bound = T.sblock_alloc_buffer((BQ,), F32)
+        small = T.sblock_alloc_buffer((1,), "int32")
+        for i in T.serial(BQ):
+            lse2[i] = lse_t[i] * T.float32(LOG2E)
+        if form[0] == "plain":
+            gradient_rows("pds_whole", form, sT, dpT, pT, dsT, zT, lse2, delta_t, BQ, BK, "", None, dropout)
+        else:
+            small_scores(sT, bound, small, 0, BK, BQ, small_limit(form[1]))
+            if small[0] > 0:
+                gradient_rows("pds_small", form, sT, dpT, pT, dsT, zT, lse2, delta_t, BQ, BK, "small",
+                              tanh_coefficients(form[1], T.float32(1)), dropout)
+            else:
+                gradient_rows("pds_exact", form, sT, dpT, pT, dsT, zT, lse2, delta_t, BQ, BK, "exact", None, dropout)
+
+
 @T.inline
 def score_gradients(unit, P, score, scale, cfg, sT, dpT, pT, dsT, zT, words, lse_t, delta_t, b, h, hk, q0, k0, BQ, BK, D,
                     LQ, LK):
@@ -174,8 +244,12 @@ def score_gradients(unit, P, score, scale, cfg, sT, dpT, pT, dsT, zT, words, lse
     # loops ran scalar wherever a modifier indexed scores (ALiBi, windows: 8-10x and 4x the
     # plain backward on the Xeon). Whole tiles (`tile_unmasked`) take only the value
     # modifiers, without the per-score clamps and masks.
+    form = T.meta_var(whole_tile_form(score, scale))
     if score.tile_unmasked(q0, q0 + BQ, k0, k0 + BK):
-        step_gradients(score, scale, sT, dpT, pT, dsT, zT, lse_t, delta_t, b, h, q0, k0, BQ, BK, LQ, LK, False)
+        if form is None:
+            step_gradients(score, scale, sT, dpT, pT, dsT, zT, lse_t, delta_t, b, h, q0, k0, BQ, BK, LQ, LK, False)
+        else:
+            whole_gradients(form, sT, dpT, pT, dsT, zT, lse_t, delta_t, BQ, BK, score.dropout is not None)
     else:
         step_gradients(score, scale, sT, dpT, pT, dsT, zT, lse_t, delta_t, b, h, q0, k0, BQ, BK, LQ, LK, True)
 

@@ -36,7 +36,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
-from ..kernels.common import F32, LOG2E, NEG_INF, KernelArgs, Shape, fast_exp
+from ..kernels.common import F32, LOG2E, NEG_INF, POS_INF, KernelArgs, Shape, fast_exp
 from ..kernels.dropout import Dropout
 from ..kernels.forward import declare_forward_args
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
@@ -131,15 +131,61 @@ def exponent(sT, src_scale, j, cols, shift, terms):
     """s * src_scale - shift of key row j, 16 queries `cols`, with `terms` of the value
     modifiers that no pass wrote into S^T: ("split", keyterm, rowterm) a split bias
     (`bias_terms`), ("squash", inner, factor, whole) a lone softcap on `whole` tiles, its
-    modified score c tanh(a s) taken here (`ScorePipeline.squashed_values`)."""
+    modified score c tanh(a s) taken here (`ScorePipeline.squashed_values`); ("small",
+    coefficients) the same on rows that `small_scores` found within SMALL_SQUASH (`odd_tanh`)."""
     if terms is None:
         return sT[j, cols] * src_scale - shift
     if terms[0] == "split":
         _, keyterm, rowterm = terms
         return sT[j, cols] * src_scale + keyterm[j] - (shift - rowterm[cols])
+    if terms[0] == "small":
+        return odd_tanh(sT[j, cols], terms[1]) - shift
     _, inner, factor, whole = terms
     raw = sT[j, cols]
     return tirx.Select(whole, tanh_16(raw * (inner * T.float32(2 * LOG2E))) * factor, raw * src_scale) - shift
+
+
+SMALL_SQUASH = 0.5  # |a s| up to which a softcap's tanh takes `odd_tanh`: scaled scores within half the cap
+TANH_ODD = (1.0, -0.33326461911201477, 0.13185861706733704, -0.04422929137945175)  # tanh(x) ~ x sum c_k x^2k
+# on |x| <= SMALL_SQUASH (abs error 2.2e-7 in fp32 evaluation, fitted with c_0 = 1 so tiny x stay exact)
+
+
+def odd_tanh(s, coefficients):
+    """c tanh(a s) log2(e) of 16 lanes with |a s| <= SMALL_SQUASH, as s P(s^2): `small_squash`'s
+    `coefficients` fold a, c and log2(e) into TANH_ODD's, so three multiply-adds and a multiply
+    take the place of `tanh_16`'s exp2, reciprocal and Newton step (fourteen operations)."""
+    s2 = s * s
+    p = tirx.Broadcast(coefficients[-1], 16)
+    for c in reversed(coefficients[:-1]):
+        p = p * s2 + tirx.Broadcast(c, 16)
+    return s * p
+
+
+def abs_max_16(a, b):
+    """max(|a|, |b|) lane-wise in one `vrangeps` (imm 11: the larger magnitude, sign cleared); a
+    NaN operand yields the other one, so an accumulator that starts finite stays a bound of every
+    non-NaN lane it saw (NaN scores give NaN on either tanh path)."""
+    return tirx.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.mask.range.ps.512", a, b,
+                                      tirx.const(11, "int32"), a, tirx.const(-1, "int16"), tirx.const(4, "int32"))
+
+
+@T.inline
+def small_scores(sT, bound, small, j0, rows, block_q, limit):
+    """small[0] = whether every |s| of S^T rows [j0, j0 + rows) is <= limit: one `abs_max_16` a
+    vector into `bound` (a column's running bound: block_q / 16 independent chains), folded and
+    compared once per call."""
+    with T.sblock("small_scores"):
+        T.reads(sT[j0:j0 + rows, 0:block_q], bound[0:block_q])
+        T.writes(bound[0:block_q], small[0:1])
+        for ic in T.serial(block_q // 16):
+            bound[T.Ramp(ic * 16, 1, 16)] = sT[j0, T.Ramp(ic * 16, 1, 16)]
+        for j, ic in T.grid(rows - 1, block_q // 16):
+            bound[T.Ramp(ic * 16, 1, 16)] = abs_max_16(bound[T.Ramp(ic * 16, 1, 16)], sT[j0 + j + 1, T.Ramp(ic * 16, 1, 16)])
+        for ic in T.serial(block_q // 16 - 1):
+            bound[T.Ramp(0, 1, 16)] = abs_max_16(bound[T.Ramp(0, 1, 16)], bound[T.Ramp(ic * 16 + 16, 1, 16)])
+        small[0] = 1
+        for i in T.serial(16):  # (an ordered compare: a NaN first row goes the exact way)
+            small[0] = T.min(small[0], T.Select(T.abs(bound[i]) <= limit, 1, 0))
 
 
 def tanh_16(y2):
@@ -166,6 +212,31 @@ def value_terms(score: ScorePipeline, scale, whole, keyterm, rowterm):
     return None
 
 
+def small_squash(terms):
+    """(terms, limit) for a softcap's chunks whose raw scores are all within `limit`, so that
+    `exponent` may take `odd_tanh` (None, None for other terms)."""
+    if terms is None or terms[0] != "squash":
+        return None, None
+    _, inner, factor, _ = terms
+    return ("small", tanh_coefficients(inner, factor)), small_limit(inner)
+
+
+def tanh_coefficients(inner, factor):
+    """`odd_tanh`'s coefficients for factor x tanh(inner x s): TANH_ODD's c_k inner^(2k+1) factor."""
+    return [T.float32(c) * factor * _power(inner, 2 * k + 1) for k, c in enumerate(TANH_ODD)]
+
+
+def small_limit(inner):
+    """The bound on |s| below which tanh(inner s) may take `odd_tanh`. Its coefficients stay
+    normal numbers for |inner| >= 2^-16 (denormals would cost a microcode assist an operation);
+    caps further above the scale than that take the exact tanh throughout (limit -1)."""
+    return tirx.Select(T.abs(inner) >= T.float32(2.0 ** -16), T.float32(SMALL_SQUASH) / T.abs(inner), T.float32(-1))
+
+
+def _power(x, n: int):
+    return x if n == 1 else x * _power(x, n - 1)
+
+
 @T.inline
 def softmax_pair(name, sT, src_scale, m, pp, ls, p, k0, seqlen_k, block_q, terms, zT, dropout):
     """Key rows 2p and 2p + 1 of a kv block's S^T: P = 2^(s * src_scale - m) for 16 queries per
@@ -182,6 +253,36 @@ def softmax_pair(name, sT, src_scale, m, pp, ls, p, k0, seqlen_k, block_q, terms
             e1 = probabilities(exponent(sT, src_scale, p * 2 + 1, cols, m[cols], terms), k0 + p * 2 + 1 < seqlen_k)
             pp[p, cols] = bf16_pairs(dropped(e0, zT, p * 2, cols, dropout), dropped(e1, zT, p * 2 + 1, cols, dropout))
             ls[cols] = ls[cols] + e0 + e1
+
+
+def whole_squash(terms):
+    """A softcap's terms on a tile known to be whole (its select folds away)."""
+    _, inner, factor, _ = terms
+    return ("squash", inner, factor, tirx.const(True, "bool"))
+
+
+@T.inline
+def softmax_rows(name, sT, src_scale, m, pp, ls, p0, pairs, k0, seqlen_k, block_q, terms, small_terms, whole, small,
+                 zT, dropout):
+    """`softmax_pair` over key-row pairs [p0, p0 + pairs). A lone softcap's (`small_terms`) whole
+    tiles take `odd_tanh` where `small_scores` set small[0] (0 on other tiles), else `tanh_16`;
+    its other tiles are rewritten (modified, scaled) and take none of its terms."""
+    if small_terms is None:
+        for p in T.serial(pairs):
+            softmax_pair(name, sT, src_scale, m, pp, ls, p0 + p, k0, seqlen_k, block_q, terms, zT, dropout)
+    else:
+        if small[0] > 0:
+            for p in T.serial(pairs):
+                softmax_pair(name + "_small", sT, src_scale, m, pp, ls, p0 + p, k0, seqlen_k, block_q, small_terms,
+                             zT, dropout)
+        elif whole:
+            for p in T.serial(pairs):
+                softmax_pair(name, sT, src_scale, m, pp, ls, p0 + p, k0, seqlen_k, block_q, whole_squash(terms), zT,
+                             dropout)
+        else:
+            for p in T.serial(pairs):
+                softmax_pair(name + "_rewritten", sT, src_scale, m, pp, ls, p0 + p, k0, seqlen_k, block_q, None, zT,
+                             dropout)
 
 
 def chunked_softmax(score: ScorePipeline, has_mods: bool, dropout: bool, later, whole, split, terms):
@@ -225,6 +326,45 @@ def block_max(sT, src_scale, tmax, k0, seqlen_k, block_k, block_q, terms=None):
                 cols = T.meta_var(T.Ramp(ic * 16, 1, 16))
                 tmax[cols] = T.max(tmax[cols], T.Select(k0 + j < seqlen_k, exponent(
                     sT, src_scale, j, cols, tirx.Broadcast(T.float32(0), 16), terms), NEG_INF16))
+
+
+@T.inline
+def squashed_block_max(sT, tmax, tmin, block_k, block_q, inner, factor):
+    """`block_max` of a lone softcap's whole tile: each query's largest c tanh(a s) log2(e) is
+    that of its largest raw score (its smallest where a < 0: a negative scale), so tanh is taken
+    once per query rather than once per score."""
+    for ic in T.serial(block_q // 16):
+        with T.sblock("squash_max_init"):
+            vic = T.axis.remap("S", [ic])
+            tmin[T.Ramp(vic * 16, 1, 16)] = tirx.Broadcast(POS_INF, 16)
+    for j in T.serial(block_k):
+        with T.sblock("squash_extremes"):
+            vj = T.axis.remap("S", [j])
+            T.reads(sT[vj, 0:block_q], tmax[0:block_q], tmin[0:block_q])
+            T.writes(tmax[0:block_q], tmin[0:block_q])
+            for ic in T.serial(block_q // 16):
+                cols = T.meta_var(T.Ramp(ic * 16, 1, 16))
+                tmax[cols] = T.max(tmax[cols], sT[vj, cols])
+                tmin[cols] = T.min(tmin[cols], sT[vj, cols])
+    for ic in T.serial(block_q // 16):
+        with T.sblock("squash_max"):
+            vic = T.axis.remap("S", [ic])
+            cols = T.meta_var(T.Ramp(vic * 16, 1, 16))
+            extreme = T.meta_var(T.Select(inner >= T.float32(0), tmax[cols], tmin[cols]))
+            tmax[cols] = tanh_16(extreme * tirx.Broadcast(inner * T.float32(2 * LOG2E), 16)) * tirx.Broadcast(factor, 16)
+
+
+@T.inline
+def kv_block_max(sT, src_scale, tmax, tmin, k0, seqlen_k, block_k, block_q, terms, small_terms, whole):
+    """`block_max`, a lone softcap's whole tiles by `squashed_block_max` (its rewritten ones
+    without its terms)."""
+    if small_terms is None:
+        block_max(sT, src_scale, tmax, k0, seqlen_k, block_k, block_q, terms)
+    else:
+        if whole:
+            squashed_block_max(sT, tmax, tmin, block_k, block_q, terms[1], terms[2])
+        else:
+            block_max(sT, src_scale, tmax, k0, seqlen_k, block_k, block_q, None)
 
 
 def diagonal_walk(step, kb_lo, kb_hi, q0, seqlen_q, seqlen_k, block_q: int, block_k: int):
@@ -393,6 +533,12 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         whole = T.meta_var(score.tile_unmasked(q0, q0 + BQ, k0, k0 + BK))
                         split, side = T.meta_var(split_tile(score, whole, q0, q0 + BQ, k0, k0 + BK))
                         terms = T.meta_var(value_terms(score, scale, whole, keyterm, rowterm))
+                        small_terms, squash_limit = T.meta_var(small_squash(terms))
+                        bound = T.sblock_alloc_buffer((BQ,), F32)  # small_scores' per-column bounds
+                        small = T.sblock_alloc_buffer((1,), "int32")  # (whole tiles within squash_limit)
+                        tmin = T.sblock_alloc_buffer((BQ,), F32)  # (squashed_block_max)
+                        with T.sblock("small_none"):
+                            small[0] = 0
                         if score.splits_bias:
                             bias_terms(score, split, side, keyterm, rowterm, vb, vh, q0, k0, BK, BQ)
                         # exponents in log2 units: raw scores carry the scale, modified ones are scaled
@@ -403,11 +549,15 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         if chunked:  # S^T 32 keys at a time, each chunk's P taken while it is in L1
                             for c in T.serial(BK // 32):
                                 qk_rows(unit, "qk_chunk", sT, KP, qp, vb, vhk, k0, c * 32, 32, D, BQ, kp_row, ROW * 4)
-                                for p in T.serial(16):
-                                    softmax_pair("softmax_chunk", sT, src_scale, m, pp, ls, c * 16 + p,
-                                                 k0, LK, BQ, terms, zT, False)
+                                if small_terms is not None:  # a softcap's chunk of small scores: odd_tanh
+                                    small_scores(sT, bound, small, c * 32, 32, BQ, squash_limit)
+                                softmax_rows("softmax_chunk", sT, src_scale, m, pp, ls, c * 16, 16, k0, LK, BQ, terms,
+                                             small_terms, whole, small, zT, False)
                         else:
                             qk_rows(unit, "qk_amx", sT, KP, qp, vb, vhk, k0, 0, BK, D, BQ, kp_row, ROW * 4)  # S^T = K . Q^T
+                            if small_terms is not None:
+                                if whole:
+                                    small_scores(sT, bound, small, 0, BK, BQ, squash_limit)
                         if dropout:
                             dropout_tile_16(score.dropout, zT, words, vb, vh, q0, k0, BQ, BK)
                         if has_mods:  # modified scores in place (vectorised here, not by a rule)
@@ -429,8 +579,8 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                                 sT[vj, vi] = modified(score, sT[vj, vi] * scale,
                                                                       ScoreIndex(vb, vh, q0 + vi, k0 + vj), False)
                         if vkb > kb_lo and not chunked:  # P with the running max m (the first block sets m)
-                            for p in T.serial(PAIRS):
-                                softmax_pair("softmax_pack", sT, src_scale, m, pp, ls, p, k0, LK, BQ, terms, zT, dropout)
+                            softmax_rows("softmax_pack", sT, src_scale, m, pp, ls, 0, PAIRS, k0, LK, BQ, terms, small_terms,
+                                         whole, small, zT, dropout)
                         # m must move if an exponent passed GROW; then some row sum passed 2^GROW
                         with T.sblock("init_grow"):
                             grow[0] = T.Select(vkb == kb_lo, 1, 0)
@@ -440,7 +590,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                 vi = T.axis.remap("R", [i])
                                 grow[0] = T.max(grow[0], T.Select(ls[vi] > T.float32(2 ** GROW), 1, 0))
                         if grow[0] > 0:  # rare after the first block: the block's max decides
-                            block_max(sT, src_scale, tmax, k0, LK, BK, BQ, terms)
+                            kv_block_max(sT, src_scale, tmax, tmin, k0, LK, BK, BQ, terms, small_terms, whole)
                             for i in T.serial(BQ):
                                 with T.sblock("move_check"):
                                     vi = T.axis.remap("R", [i])
@@ -459,8 +609,8 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                         with T.sblock("rescale"):
                                             vd, vi = T.axis.remap("SS", [d, i])
                                             accT[vd, vi] = accT[vd, vi] * alpha[vi]
-                            for p in T.serial(PAIRS):
-                                softmax_pair("softmax_redo", sT, src_scale, m, pp, ls, p, k0, LK, BQ, terms, zT, dropout)
+                            softmax_rows("softmax_redo", sT, src_scale, m, pp, ls, 0, PAIRS, k0, LK, BQ, terms, small_terms,
+                                         whole, small, zT, dropout)
                         for i in T.serial(BQ):
                             with T.sblock("l_update"):
                                 vi = T.axis.remap("S", [i])

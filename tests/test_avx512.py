@@ -364,6 +364,27 @@ def test_bf16_variants(causal, softcap, alibi_kind, lq, lk, d, bf16_unit):
                             causal="bottom_right" if causal else "none", softcap=softcap, alibi_slopes=slopes)
 
 
+@pytest.mark.parametrize("scale", [None, -0.05])
+@pytest.mark.parametrize("lq,lk", [(300, 2100), (203, 450)], ids=str)
+def test_bf16_softcap_small_and_saturated_scores(scale, lq, lk, bf16_unit):
+    """A lone softcap's whole tiles take tanh's odd polynomial where a chunk's scaled scores all
+    lie within half the cap (amx_forward.small_scores) and the exact tanh elsewhere: heads whose
+    scores all sit far below -cap or far above +cap (saturated), heads of ordinary scores, and
+    one whose keys mix both (each chunk decides), under either sign of the scale, both forwards
+    (300 x 2100 takes forward_long). Forward, lse, every gradient against float64."""
+    q, k, v, dout = make(1, 4, 4, lq, lk, 128, torch.float32, seed=lq)
+    q[:, :2] = q[:, :2].abs() * 4  # head 0: every score far below -cap, head 1 far above +cap
+    k[:, 0], k[:, 1] = -k[:, 0].abs() * 4, k[:, 1].abs() * 4
+    k[:, 3, ::97] *= 8  # head 3: a few large keys scattered among ordinary ones
+    q, k, v, dout = (x.bfloat16() for x in (q, k, v, dout))
+
+    def run(qh, kh, vh):
+        out, lse, _ = tvmflash.flash_attn_func(*(x.transpose(1, 2) for x in (qh, kh, vh)), softmax_scale=scale,
+                                               softcap=20.0, return_attn_probs=True)
+        return out.transpose(1, 2), lse
+    check_against_reference(q, k, v, dout, run, scale=scale, softcap=20.0)
+
+
 @pytest.mark.skipif(not has_compiler(), reason="evaluates TIR expressions: needs TVM's compiler, not its runtime")
 @pytest.mark.parametrize("lq,lk,q0", [(2048, 2048, 1024), (300, 2100, 0), (2100, 300, 1792), (64, 64, 0)])
 def test_alibi_walk_visits_every_block_once_from_the_diagonal(lq, lk, q0):
