@@ -535,10 +535,14 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         terms = T.meta_var(value_terms(score, scale, whole, keyterm, rowterm))
                         small_terms, squash_limit = T.meta_var(small_squash(terms))
                         bound = T.sblock_alloc_buffer((BQ,), F32)  # small_scores' per-column bounds
-                        small = T.sblock_alloc_buffer((1,), "int32")  # (whole tiles within squash_limit)
+                        # whether a chunk's / the whole tile's scores lie within squash_limit (a
+                        # chunked tile's pass again, `softmax_redo`, needs all of its chunks')
+                        small = T.sblock_alloc_buffer((1,), "int32")
+                        small_tile = T.sblock_alloc_buffer((1,), "int32")
                         tmin = T.sblock_alloc_buffer((BQ,), F32)  # (squashed_block_max)
                         with T.sblock("small_none"):
                             small[0] = 0
+                            small_tile[0] = 0
                         if score.splits_bias:
                             bias_terms(score, split, side, keyterm, rowterm, vb, vh, q0, k0, BK, BQ)
                         # exponents in log2 units: raw scores carry the scale, modified ones are scaled
@@ -551,13 +555,15 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                 qk_rows(unit, "qk_chunk", sT, KP, qp, vb, vhk, k0, c * 32, 32, D, BQ, kp_row, ROW * 4)
                                 if small_terms is not None:  # a softcap's chunk of small scores: odd_tanh
                                     small_scores(sT, bound, small, c * 32, 32, BQ, squash_limit)
+                                    with T.sblock("small_tile"):
+                                        small_tile[0] = T.Select(c == 0, small[0], T.min(small_tile[0], small[0]))
                                 softmax_rows("softmax_chunk", sT, src_scale, m, pp, ls, c * 16, 16, k0, LK, BQ, terms,
                                              small_terms, whole, small, zT, False)
                         else:
                             qk_rows(unit, "qk_amx", sT, KP, qp, vb, vhk, k0, 0, BK, D, BQ, kp_row, ROW * 4)  # S^T = K . Q^T
                             if small_terms is not None:
                                 if whole:
-                                    small_scores(sT, bound, small, 0, BK, BQ, squash_limit)
+                                    small_scores(sT, bound, small_tile, 0, BK, BQ, squash_limit)
                         if dropout:
                             dropout_tile_16(score.dropout, zT, words, vb, vh, q0, k0, BQ, BK)
                         if has_mods:  # modified scores in place (vectorised here, not by a rule)
@@ -580,7 +586,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                                                       ScoreIndex(vb, vh, q0 + vi, k0 + vj), False)
                         if vkb > kb_lo and not chunked:  # P with the running max m (the first block sets m)
                             softmax_rows("softmax_pack", sT, src_scale, m, pp, ls, 0, PAIRS, k0, LK, BQ, terms, small_terms,
-                                         whole, small, zT, dropout)
+                                         whole, small_tile, zT, dropout)
                         # m must move if an exponent passed GROW; then some row sum passed 2^GROW
                         with T.sblock("init_grow"):
                             grow[0] = T.Select(vkb == kb_lo, 1, 0)
@@ -610,7 +616,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                             vd, vi = T.axis.remap("SS", [d, i])
                                             accT[vd, vi] = accT[vd, vi] * alpha[vi]
                             softmax_rows("softmax_redo", sT, src_scale, m, pp, ls, 0, PAIRS, k0, LK, BQ, terms, small_terms,
-                                         whole, small, zT, dropout)
+                                         whole, small_tile, zT, dropout)
                         for i in T.serial(BQ):
                             with T.sblock("l_update"):
                                 vi = T.axis.remap("S", [i])
