@@ -455,12 +455,16 @@ def load_cached(spec: AttentionSpec, target: dict | None = None) -> dict:
                     module = _load(lib, target)
                 except Exception:  # noqa: BLE001 - e.g. a library built for another machine
                     module = _load(build_cached(spec, target, rebuild=True), target)
-            kernels = {name: module[name] for name in kernels_of(spec, target)}
-            optional = CUDA_OPTIONAL_KERNELS if target["kind"] == "cuda" else CPU_OPTIONAL_KERNELS
-            kernels.update((name, module[name]) for name in optional
-                           if module.implements_function(name, query_imports=True))
-            if uses_amx(target, kernels) and not request_amx():
-                raise RuntimeError(f"{spec.name} for {target_label(target)} runs on AMX, which this "
-                                   "CPU or OS does not provide")
-            _modules[key] = kernels
+            _modules[key] = kernels_from_module(module, spec, target)
         return _modules[key]
+
+
+def kernels_from_module(module, spec: AttentionSpec, target: dict) -> dict:
+    """A loaded module's kernels of `spec` by name: those `kernels_of` names and the optional
+    ones it holds. AMX kernels get the process's AMX permission first (RuntimeError without)."""
+    kernels = {name: module[name] for name in kernels_of(spec, target)}
+    optional = CUDA_OPTIONAL_KERNELS if target["kind"] == "cuda" else CPU_OPTIONAL_KERNELS
+    kernels.update((name, module[name]) for name in optional if module.implements_function(name, query_imports=True))
+    if uses_amx(target, kernels) and not request_amx():
+        raise RuntimeError(f"{spec.name} for {target_label(target)} runs on AMX, which this CPU or OS does not provide")
+    return kernels

@@ -1,0 +1,141 @@
+"""Same-process A/B of one spec's module across versions of the code: `flash_attn_func` timed with
+each folder's module in turn (forward, and forward + backward), interleaved, in one process, so
+that two versions compare on one machine state (runs across processes and sessions differ by
+more than most changes). Build each version's module into a folder from its checkout, then time
+the folders together on the machine that runs them (TVM's runtime is enough there).
+
+    python scripts/module_ab.py build DIR SPEC [--target cuda|avx512|host]   # SPEC: presets.parse_spec's syntax
+    python scripts/module_ab.py run DIR_A DIR_B ... [--shape B,L,H,D] [--kwargs JSON] [--plain] [--out F.jsonl]
+
+`--kwargs`: flash_attn_func's keywords for the call (e.g. '{"softcap": 30.0}'; "alibi_slopes":
+true passes random slopes), which must select the folders' spec. `--plain` also times the call
+without the variant's keywords (causal kept) from the ordinary module cache, and reports each
+folder's time against it. Speedups are against the first folder.
+"""
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import tvmflash  # noqa: E402
+from tvmflash import build, ops  # noqa: E402
+from tvmflash.bench import _interleaved_median_ms, machine_info  # noqa: E402
+from tvmflash.presets import parse_spec  # noqa: E402
+from tvmflash.spec import AttentionSpec  # noqa: E402
+
+TARGETS = {"cuda": lambda: build.cuda_target("sm_90a"), "avx512": lambda: build.AVX512_TARGET,
+           "host": build.host_target}
+
+
+def build_into(folder: Path, spec: AttentionSpec, target: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    build.build_module(spec, target).export_library(str(folder / "mod.so"))
+    (folder / "spec.json").write_text(json.dumps(spec.to_dict()))
+    (folder / "target.json").write_text(json.dumps(target))
+    print(f"{folder / 'mod.so'}: {spec.name} for {build.target_label(target)}")
+
+
+def load(folder: Path, device: torch.device) -> dict:
+    """The kernels of folder/mod.so by name, as build.load_cached gives them (the CUDA module is
+    loaded for this device's arch whatever the folder's target says)."""
+    target = json.loads((folder / "target.json").read_text())
+    if device.type == "cuda":
+        target = build.cuda_target_for_device(device.index or 0)
+    return build.kernels_from_module(build._load(folder / "mod.so", target), spec_of(folder), target)
+
+
+def spec_of(folder: Path) -> AttentionSpec:
+    from tvmflash.deploy import spec_from_dict
+
+    return spec_from_dict(json.loads((folder / "spec.json").read_text()))
+
+
+def run(folders: list[Path], shape: tuple, kwargs: dict, plain: bool, out: Path | None) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16
+    batch, seqlen, heads, head_dim = shape
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v, dout = (torch.randn(batch, seqlen, heads, head_dim, device=device, dtype=dtype, generator=g)
+                     for _ in range(4))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    if kwargs.get("alibi_slopes") is True:
+        kwargs["alibi_slopes"] = torch.rand(heads, device=device, generator=g) * 0.1
+    spec = spec_of(folders[0])
+    causal = kwargs.get("causal", False)
+    left, right = kwargs.get("window_size", (-1, -1))
+    called = ops.spec_for(q, None, "bottom_right" if causal else "none", (left, -1 if causal else right),
+                          kwargs.get("softcap", 0.0), kwargs.get("alibi_slopes"), kwargs.get("dropout_p", 0.0))
+    if called != spec:
+        sys.exit(f"--kwargs call {called.name}, not the folders' {spec.name}")
+    modules = {f.name: load(f, device) for f in folders}
+    choice = None if device.type == "cuda" else os.environ.get("TVMFLASH_CPU_TARGET", "auto")
+    key = (spec, device, choice)  # ops._kernels' cache key
+
+    def calls(name, call_kwargs, use=None):
+        def fwd():
+            if use:
+                ops._loaded[key] = modules[use]
+            with torch.no_grad():
+                tvmflash.flash_attn_func(q, k, v, **call_kwargs)
+
+        def fwd_bwd():
+            if use:
+                ops._loaded[key] = modules[use]
+            torch.autograd.grad(tvmflash.flash_attn_func(q, k, v, **call_kwargs), (q, k, v), dout)
+        return {f"{name} fwd": fwd, f"{name} fwd+bwd": fwd_bwd}
+
+    fns = {}
+    for name in modules:
+        fns.update(calls(name, kwargs, name))
+    if plain:
+        fns.update(calls("plain", {"causal": kwargs.get("causal", False)}))
+    outputs = {}
+    for name in modules:
+        ops._loaded[key] = modules[name]
+        with torch.no_grad():
+            outputs[name] = tvmflash.flash_attn_func(q, k, v, **kwargs).float()
+    first = folders[0].name
+    diffs = {n: (o - outputs[first]).abs().max().item() for n, o in outputs.items()}
+    for fn in fns.values():  # warm up (first calls load the modules)
+        fn()
+    iters = 3 if device.type == "cuda" else 1
+    ms = _interleaved_median_ms(fns, rounds=7, iters=iters, device=device.type)
+    row = {"spec": spec.name, "shape": shape, "kwargs": {k: v for k, v in kwargs.items() if not torch.is_tensor(v)},
+           "ms": ms, "max_diff_vs_first": diffs,
+           "speedup": {p: {n: ms[f"{first} {p}"] / ms[f"{n} {p}"] for n in modules} for p in ("fwd", "fwd+bwd")}}
+    if plain:
+        row["vs_plain"] = {p: {n: ms[f"plain {p}"] / ms[f"{n} {p}"] for n in modules} for p in ("fwd", "fwd+bwd")}
+    print(json.dumps(row), flush=True)
+    if out:
+        with out.open("a") as f:
+            f.write(json.dumps({**row, "machine": machine_info(device.type)}) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("folder", type=Path)
+    b.add_argument("spec", help="e.g. bf16:d128:softcap (tvmflash.presets.parse_spec)")
+    b.add_argument("--target", choices=sorted(TARGETS), default="cuda")
+    r = sub.add_parser("run")
+    r.add_argument("folders", nargs="+", type=Path)
+    r.add_argument("--shape", default="1,16384,16,128", help="B,L,H,D")
+    r.add_argument("--kwargs", default="{}", help="flash_attn_func keywords (JSON)")
+    r.add_argument("--plain", action="store_true", help="also time the call without the variant")
+    r.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.command == "build":
+        build_into(args.folder, parse_spec(args.spec), TARGETS[args.target]())
+    else:
+        run(args.folders, tuple(int(x) for x in args.shape.split(",")), json.loads(args.kwargs), args.plain, args.out)
+
+
+if __name__ == "__main__":
+    main()
