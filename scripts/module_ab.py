@@ -4,7 +4,7 @@ that two versions compare on one machine state (runs across processes and sessio
 more than most changes). Build each version's module into a folder from its checkout, then time
 the folders together on the machine that runs them (TVM's runtime is enough there).
 
-    python scripts/module_ab.py build DIR SPEC [--target cuda|avx512|host]   # SPEC: presets.parse_spec's syntax
+    python scripts/module_ab.py build DIR SPEC [--target cuda|avx512|host] [--knobs JSON]   # SPEC: presets.parse_spec's
     python scripts/module_ab.py run DIR_A DIR_B ... [--shape B,L,H,D] [--kwargs JSON] [--plain] [--out F.jsonl]
 
 `--kwargs`: flash_attn_func's keywords for the call (e.g. '{"softcap": 30.0}'; "alibi_slopes":
@@ -33,9 +33,9 @@ TARGETS = {"cuda": lambda: build.cuda_target("sm_90a"), "avx512": lambda: build.
            "host": build.host_target}
 
 
-def build_into(folder: Path, spec: AttentionSpec, target: dict) -> None:
+def build_into(folder: Path, spec: AttentionSpec, target: dict, knobs: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    build.build_module(spec, target).export_library(str(folder / "mod.so"))
+    build.build_module(spec, target, knobs).export_library(str(folder / "mod.so"))
     (folder / "spec.json").write_text(json.dumps(spec.to_dict()))
     (folder / "target.json").write_text(json.dumps(target))
     print(f"{folder / 'mod.so'}: {spec.name} for {build.target_label(target)}")
@@ -75,7 +75,7 @@ def run(folders: list[Path], shape: tuple, kwargs: dict, plain: bool, out: Path 
         sys.exit(f"--kwargs call {called.name}, not the folders' {spec.name}")
     modules = {f.name: load(f, device) for f in folders}
     choice = None if device.type == "cuda" else os.environ.get("TVMFLASH_CPU_TARGET", "auto")
-    key = (spec, device, choice)  # ops._kernels' cache key
+    key = (spec, q.device, choice)  # ops._kernels' cache key (the tensors' device: cuda:0, not cuda)
 
     def calls(name, call_kwargs, use=None):
         def fwd():
@@ -98,6 +98,8 @@ def run(folders: list[Path], shape: tuple, kwargs: dict, plain: bool, out: Path 
     outputs = {}
     for name in modules:
         ops._loaded[key] = modules[name]
+        if ops._kernels(spec, q.device) is not modules[name]:
+            sys.exit("the calls would not take the folders' modules (ops._kernels' key changed?)")
         with torch.no_grad():
             outputs[name] = tvmflash.flash_attn_func(q, k, v, **kwargs).float()
     first = folders[0].name
@@ -124,6 +126,7 @@ def main() -> None:
     b.add_argument("folder", type=Path)
     b.add_argument("spec", help="e.g. bf16:d128:softcap (tvmflash.presets.parse_spec)")
     b.add_argument("--target", choices=sorted(TARGETS), default="cuda")
+    b.add_argument("--knobs", default="{}", help="knobs over the tuned ones (JSON), e.g. '{\"wgmma_poly_exp2\": 0}'")
     r = sub.add_parser("run")
     r.add_argument("folders", nargs="+", type=Path)
     r.add_argument("--shape", default="1,16384,16,128", help="B,L,H,D")
@@ -132,7 +135,7 @@ def main() -> None:
     r.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.command == "build":
-        build_into(args.folder, parse_spec(args.spec), TARGETS[args.target]())
+        build_into(args.folder, parse_spec(args.spec), TARGETS[args.target](), json.loads(args.knobs))
     else:
         run(args.folders, tuple(int(x) for x in args.shape.split(",")), json.loads(args.kwargs), args.plain, args.out)
 
