@@ -352,13 +352,17 @@ def test_cuda_softcap_under_a_scale_of_either_sign(scale, dtype, d, causal):
 @pytest.mark.parametrize("cap", [5.0, 50.0, 200.0])
 def test_cuda_softcap_keeps_saturated_rows(cap):
     """A softcap's rows whose scores all sit near -cap or +cap (tanh saturated: the row's
-    probabilities all but equal), ordinary rows and rows with no key (bottom-right causal,
-    Lq > Lk) match a float64 reference, o and lse, on the bf16 wgmma forward."""
+    probabilities all but equal), ordinary rows, rows with a few large scores among ordinary
+    ones and rows with no key (bottom-right causal, Lq > Lk) match a float64 reference, o and
+    lse, on the bf16 wgmma forward: a warp's scores take tanh's odd polynomial where all of
+    them lie within half the cap (`cuda_mma.squash_scores`: heads 2 and 3 at caps 50 and 200,
+    except head 3's warps that meet a large key), MUFU's tanh elsewhere."""
     g = torch.Generator(device="cuda").manual_seed(5)
     q = torch.randn(2, 4, 300, 128, device="cuda", generator=g)
     k, v = (torch.randn(2, 4, 190, 128, device="cuda", generator=g) for _ in range(2))
     q[:, :2] = q[:, :2].abs() * 6  # head 0: every score far below -cap, head 1 far above +cap
     k[:, 0], k[:, 1] = -k[:, 0].abs() * 6, k[:, 1].abs() * 6
+    k[:, 3, ::37] *= 40  # head 3: a few large keys among ordinary ones
     q, k, v = (x.bfloat16() for x in (q, k, v))
     out, lse, _ = tvmflash.flash_attn_func(*(x.transpose(1, 2) for x in (q, k, v)), causal=True, softcap=cap,
                                            return_attn_probs=True)
