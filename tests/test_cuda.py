@@ -354,9 +354,7 @@ def test_cuda_softcap_keeps_saturated_rows(cap):
     """A softcap's rows whose scores all sit near -cap or +cap (tanh saturated: the row's
     probabilities all but equal), ordinary rows, rows with a few large scores among ordinary
     ones and rows with no key (bottom-right causal, Lq > Lk) match a float64 reference, o and
-    lse, on the bf16 wgmma forward: a warp's scores take tanh's odd polynomial where all of
-    them lie within half the cap (`cuda_mma.squash_scores`: heads 2 and 3 at caps 50 and 200,
-    except head 3's warps that meet a large key), MUFU's tanh elsewhere."""
+    lse, on the bf16 wgmma forward."""
     g = torch.Generator(device="cuda").manual_seed(5)
     q = torch.randn(2, 4, 300, 128, device="cuda", generator=g)
     k, v = (torch.randn(2, 4, 190, 128, device="cuda", generator=g) for _ in range(2))
