@@ -26,11 +26,12 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..kernels.backward import declare_backward_inputs, load_row_stats
-from ..kernels.common import F32, LOG2E, KernelArgs, Shape, fast_exp, odd_tanh, small_limit, tanh_coefficients
+from ..kernels.common import F32, LOG2E, KernelArgs, Shape, fast_exp
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
 from .amx import (BF16, PAIR, TILES, MatrixUnit, amx_dropout_buffers, bf16_pairs, bf16_row, dropout_tile_16, exp2_16,
                   pair_bits, stage_rows, store_word_halves, store_words, word_column)
-from .amx_forward import amx_supported, dropped, modified, small_scores, tanh_16, z_rows
+from .amx_forward import (amx_supported, dropped, modified, odd_tanh, small_limit, small_scores, tanh_16,
+                          tanh_coefficients, z_rows)
 
 __all__ = ["amx_supported", "backward_amx_pack_kernel", "backward_amx_kernel"]
 
@@ -174,7 +175,7 @@ def tile_gradient(form, s, dp, lse2, delta, squash: str, coefficients):
         return p, p * (dp - delta)
     _, inner, cap = form
     if squash == "small":
-        t = odd_tanh(s, coefficients, 16)
+        t = odd_tanh(s, coefficients)
     else:
         t = tanh_16(s * tirx.Broadcast(inner * T.float32(2 * LOG2E), 16))
     p = exp2_16(t * tirx.Broadcast(cap * T.float32(LOG2E), 16) - lse2)

@@ -108,7 +108,8 @@ def run(folders: list[Path], shape: tuple, kwargs: dict, plain: bool, out: Path 
         fn()
     iters = 3 if device.type == "cuda" else 1
     ms = _interleaved_median_ms(fns, rounds=7, iters=iters, device=device.type)
-    row = {"spec": spec.name, "shape": shape, "kwargs": {k: v for k, v in kwargs.items() if not torch.is_tensor(v)},
+    row = {"spec": spec.name, "shape": shape,
+           "kwargs": {name: value for name, value in kwargs.items() if not torch.is_tensor(value)},
            "ms": ms, "max_diff_vs_first": diffs,
            "speedup": {p: {n: ms[f"{first} {p}"] / ms[f"{n} {p}"] for n in modules} for p in ("fwd", "fwd+bwd")}}
     if plain:

@@ -138,7 +138,7 @@ def _mean_ms(fn: Callable[[], object], iters: int, device: str) -> float:
 def _interleaved_median_ms(fns: dict[str, Callable[[], object]], rounds: int, iters: int, device: str) -> dict[str, float]:
     """Median over ``rounds`` samples per function, each round in a fresh order (seeded shuffle).
     A rotating order kept each function's predecessor fixed, and what runs before a GPU call
-    moves its time: on the H100 one module timed as three entries measured 4-6% slower (a bf16
+    moves its time: on the H100 one module timed as three entries measured 3.7-5.9% slower (bf16
     softcap forward at 16k) as the entry that always followed a plain forward + backward."""
     names = list(fns)
     shuffle = random.Random(0).shuffle
