@@ -201,7 +201,7 @@ def gradient_rows(name, form, sT, dpT, pT, dsT, zT, lse2, delta_t, BQ, BK, squas
 @T.inline
 def whole_gradients(form, sT, dpT, pT, dsT, zT, lse_t, delta_t, BQ, BK, dropout):
     """`step_gradients` of a whole tile in explicit 16-lane code on `exp2_16` (Xeon-class
-    AMX dev box, bf16 L=4096 D=128, same process: softcap's backward ~0.6x -> see README of
+    AMX dev box, bf16 L=4096 D=128, same process: softcap's backward ~0.6x -> see benchmarks/HISTORY.md of
     the plain one, one tanh a score where the generic pass took three exps and two divisions);
     a softcap's tile takes `odd_tanh` where all its scores are small."""
     with T.sblock("whole_gradients"):

@@ -103,7 +103,7 @@ def bias_terms(score, split, side, keyterm, rowterm, b, h, q0, k0, block_k, bloc
     """A split bias in log2 units, side x slope x ((key - k0) - d_row), as keyterm[key - k0] +
     rowterm[query - q0] (0 where the tile does not `split`), added in the exponent instead of
     a rewriting pass over S^T (Xeon, bf16 D=128 L=4096, same-process A/B: ALiBi's forward 0.78x
-    -> 0.87x of plain; most of what remains is the running max moving, see README)."""
+    -> 0.87x of plain; most of what remains is the running max moving, see benchmarks/HISTORY.md)."""
     per_key = T.meta_var(score.split_slope(b, h, T.float32(LOG2E)) * T.Cast(F32, side))
     for j in T.serial(block_k):
         with T.sblock("bias_key_terms"):
