@@ -191,3 +191,31 @@ def test_empty_tiles_are_skipped():
         keep_rows = torch.cat([torch.arange(128), torch.arange(256, 300)])
         ref_out, _ = attention(q.double(), k.double(), v.double(), mask_mod=mask_mod)
         torch.testing.assert_close(out[:, :, keep_rows].double(), ref_out[:, :, keep_rows], atol=2e-5, rtol=0)
+
+
+def test_flex_runs_between_compiled_graphs():
+    """Under torch.compile, flex_attention runs eagerly at a graph break while the code around it
+    compiles: the same values and gradients as eager mode. fullgraph=True refuses the call by
+    name (Dynamo cannot trace the score_mod tracing)."""
+    import torch._dynamo
+
+    b, h, hk, lq, lk, d = 2, 4, 2, 113, 113, 64
+    q, k, v, dout = make(b, h, hk, lq, lk, d, torch.float32, seed=5)
+    score_mod, mask_mod = _mods("relative bias + causal", _tables(h))  # the spec test_flex_matches_reference builds
+    bm = flex.create_block_mask(mask_mod, None, None, lq, lk)
+
+    def layer(q, k, v):
+        return flex.flex_attention(q * 2, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True).relu()
+
+    results = []
+    for run in (layer, torch.compile(layer, backend="aot_eager")):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = run(*leaves)
+        out.backward(dout)
+        results.append((out, *(x.grad for x in leaves)))
+    assert results[0][0].abs().max() > 0.1
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=0)
+    torch._dynamo.reset()  # else the fullgraph call would reuse the compiled frames above
+    with pytest.raises(Exception, match="flex_attention"):
+        torch.compile(layer, backend="aot_eager", fullgraph=True)(q, k, v)

@@ -294,6 +294,19 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=12
     return BlockMask.from_tiles(any_kept & ~full, full, (bq, bk), (Q_LEN, KV_LEN), mask_mod)
 
 
+def _outside_compiled_graphs(fn):
+    """`fn` runs eagerly between torch.compile's graphs (a graph break; fullgraph=True refuses
+    it by name): tracing score_mod / mask_mod into kernel programs calls them on this module's
+    proxies, which Dynamo cannot trace."""
+    reason = ("tvmflash.flex_attention traces score_mod / mask_mod itself and runs between compiled "
+              "graphs: call it outside a fullgraph=True region")
+    try:
+        return torch.compiler.disable(fn, reason=reason)
+    except TypeError:  # torch < 2.8 has no `reason`
+        return torch.compiler.disable(fn)
+
+
+@_outside_compiled_graphs
 def flex_attention(query, key, value, score_mod=None, block_mask: BlockMask | None = None, scale=None,
                    enable_gqa=False, return_lse=False):
     """torch.nn.attention.flex_attention.flex_attention on tvmflash kernels: query (B, H, Lq, D),
