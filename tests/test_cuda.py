@@ -844,6 +844,36 @@ def test_cuda_graph_capture_of_forward_backward_and_decode():
 
 
 @needs_gpu
+def test_cuda_compiled_decode_step():
+    """A decode step (append into a paged cache, then attention) compiled whole, fullgraph,
+    with CUDA graphs (mode="reduce-overhead"; the caches marked static, as a model's buffers
+    are): three steps with new tokens and lengths give what eager calls on a copy give."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    dt = torch.bfloat16
+    pages = torch.randperm(64, device="cuda", dtype=torch.int32).view(4, 16)
+    k_cache, v_cache = (torch.randn(64, 16, 2, 128, device="cuda", dtype=dt) for _ in range(2))
+    eager_k, eager_v = k_cache.clone(), v_cache.clone()
+    for cache in (k_cache, v_cache):
+        torch._dynamo.mark_static_address(cache)
+    lengths = torch.tensor([5, 100, 250, 17], device="cuda", dtype=torch.int32)
+
+    def step(query, k, v, k_cache, v_cache, lengths):
+        return tvmflash.flash_attn_with_kvcache(query, k_cache, v_cache, k, v, cache_seqlens=lengths,
+                                                block_table=pages)
+
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):
+        query = torch.randn(4, 1, 8, 128, device="cuda", dtype=dt)
+        k, v = (torch.randn(4, 1, 2, 128, device="cuda", dtype=dt) for _ in range(2))
+        out = compiled(query, k, v, k_cache, v_cache, lengths).clone()
+        assert torch.equal(out, step(query, k, v, eager_k, eager_v, lengths))
+        assert torch.equal(k_cache, eager_k) and torch.equal(v_cache, eager_v)
+        lengths += 1
+
+
+@needs_gpu
 def test_cuda_tensors_above_2_31_elements():
     """q/k/v/out of 2^31 + 2^17 elements (one head of 2^24 + 1024 positions, D = 128, a
     64-key causal window so the work stays small): the rows past element 2^31 attend, and

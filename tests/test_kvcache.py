@@ -51,10 +51,11 @@ def test_kvcache(layout, causal, window, rotary, lq, new):
 
 
 def check_kvcache(layout, causal, window, rotary, lq, new, device="cpu", dtype=torch.float32, heads=(H, HK), d=D,
-                  softcap=0.0, alibi=False, capacity=96, lengths=(10, 0, 57), num_splits=0):
-    """One flash_attn_with_kvcache call on 3 sequences (`lengths` before the append; an empty
-    one gets a token when nothing is appended) against the float64 reference per sequence, and
-    the caches after the append.
+                  softcap=0.0, alibi=False, capacity=96, lengths=(10, 0, 57), num_splits=0,
+                  call=tvmflash.flash_attn_with_kvcache):
+    """One flash_attn_with_kvcache call (or `call`, e.g. a compiled one) on 3 sequences
+    (`lengths` before the append; an empty one gets a token when nothing is appended) against
+    the float64 reference per sequence, and the caches after the append.
     Tolerance: flash-attn's rule (twice the error of the same computation in `dtype`) plus
     a floor."""
     h, hk = heads
@@ -88,7 +89,7 @@ def check_kvcache(layout, causal, window, rotary, lq, new, device="cpu", dtype=t
     slopes = (torch.rand(B, h, generator=g) * 0.3).to(device) if alibi else None
     before_k, before_v = k_cache.clone(), v_cache.clone()
 
-    out, lse = tvmflash.flash_attn_with_kvcache(
+    out, lse = call(
         q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
         cache_batch_idx=cache_batch_idx, cache_leftpad=leftpad, block_table=block_table, causal=causal,
         window_size=window, softcap=softcap, rotary_interleaved=rotary == "interleaved", alibi_slopes=slopes,
@@ -134,6 +135,22 @@ def check_kvcache(layout, causal, window, rotary, lq, new, device="cpu", dtype=t
     # other cache rows (contiguous) are never written
     if layout == "contiguous":
         assert torch.equal(caches[0][1], caches[2][1])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_decode_step_is_one_graph(backend):
+    """A decode step (append with rotary into a paged cache, GQA, the in-place split-KV kernel)
+    compiles whole under torch.compile(fullgraph=True): no index tensor is read on the host
+    there, as on CUDA (CUDA graphs then take the step, see test_cuda). Values and the caches
+    after the append as in eager mode, for two different length sets (one graph for both)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(tvmflash.flash_attn_with_kvcache, fullgraph=True, backend=backend)
+    for lengths in [(10, 0, 57), (31, 5, 0)]:
+        check_kvcache("paged16", True, (-1, -1), "interleaved", 1, 1, lengths=lengths, call=compiled)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 def test_kvcache_decode_reads_the_cache_in_place(monkeypatch):

@@ -540,8 +540,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     never waits for the GPU, so it does not read the index tensors to check them: block_table
     entries and lengths are clamped to the cache (reads stay in bounds), and an append or
     rotary position past the cache or the tables fails in torch's indexing. On the CPU every
-    index is checked first. Longer q (prefill with a cache) gathers each sequence's keys into
-    one packed tensor for the varlen kernels."""
+    index is checked first (except under torch.compile, where the path is one graph, as on
+    CUDA: `fullgraph=True` and CUDA graphs take a decode step whole). Longer q (prefill with a
+    cache) gathers each sequence's keys into one packed tensor for the varlen kernels (under
+    torch.compile a graph break: the gather reads the lengths)."""
     _check_tensor("q", q, 4, " (batch, seqlen_q, nheads, head_dim)")
     B, Lq, H, D = q.shape
     paged = block_table is not None
@@ -605,7 +607,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     leftpad = zeros if leftpad is None else leftpad
     if rows is None and not paged:
         rows = _arange_int32(B, q.device)
-    if not (in_place and q.is_cuda):  # (reading them costs a CPU nothing)
+    if not (in_place and (q.is_cuda or torch.compiler.is_compiling())):  # (reading them costs a CPU nothing)
         _check_cache_indices(k_cache, block_table, rows, B, None if seqlens is zeros else seqlens, length,
                              None if leftpad is zeros else leftpad, new, capacity, rotary_cos, Lq, q_steps)
     if rotary_cos is not None or new:

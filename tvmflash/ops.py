@@ -363,8 +363,37 @@ def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     positions [cache_leftpad[b], cache_seqlens[b] + new_keys). `num_splits` 0 picks the splits
     from the shape and the device. Returns out (B, Lq, H, D) and lse (B, H, Lq).
 
-    A decode step costs the GPU tens of microseconds, so the host path is kept short: what
-    the shape fixes is looked up once per shape and stream (`_decode_plan`)."""
+    Under torch.compile this is the `tvmflash::decode_kv_cache` operator (fake impl: a
+    fullgraph decode step, CUDA graphs); in eager mode the same function without the
+    operator's dispatch, which would be a sizeable part of a decode step's host time."""
+    args = (q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, scale, causal, *window,
+            softcap, alibi_slopes, num_splits)
+    return decode_kv_cache_op(*args) if torch.compiler.is_compiling() else _decode_kv_cache(*args)
+
+
+@torch.library.custom_op("tvmflash::decode_kv_cache", mutates_args=())
+def decode_kv_cache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                       cache_seqlens: torch.Tensor, cache_leftpad: torch.Tensor, new_keys: int, scale: float,
+                       causal: bool, window_left: int, window_right: int, softcap: float,
+                       alibi_slopes: Optional[torch.Tensor], num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_kv_cache` as an operator (its window as two ints)."""
+    return _decode_kv_cache(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, scale, causal,
+                            window_left, window_right, softcap, alibi_slopes, num_splits)
+
+
+@decode_kv_cache_op.register_fake
+def _(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, scale, causal, window_left,
+      window_right, softcap, alibi_slopes, num_splits):
+    B, H, Lq, D = q.shape
+    return q.new_empty((B, Lq, H, D)), q.new_empty((B, H, Lq), dtype=torch.float32)
+
+
+def _decode_kv_cache(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, scale, causal,
+                     window_left, window_right, softcap, alibi_slopes, num_splits):
+    """decode_kv_cache's work. A decode step costs the GPU tens of microseconds, so the host
+    path is kept short: what the shape fixes is looked up once per shape and stream
+    (`_decode_plan`)."""
+    window = (window_left, window_right)
     B, H, Lq, D = q.shape
     device = q.device
     cuda = device.type == "cuda"
