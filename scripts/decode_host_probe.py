@@ -27,8 +27,8 @@ def main(lengths, out_path) -> None:
         call = lambda: tvmflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=length, block_table=table)  # noqa: E731
         call()
         (key, plan), = ops._decode_plans.items()
-        spec, kernel, scratch, combine, tail = plan
-        idle = (spec, lambda *args: None, scratch, None, tail)
+        spec, kernel, make_scratch, combine, tail, scratch = plan
+        idle = [spec, lambda *args: None, make_scratch, None, tail, scratch]
         zeros = torch.zeros(B, dtype=torch.int32, device=device)
         out = torch.empty(B, 1, H, D, device=device, dtype=DTYPE)
         lse = torch.empty(B, H, 1, device=device)

@@ -81,6 +81,7 @@ def test_cuda_decode_kernel_builds_for_other_warp_counts(head_dim, warps, block_
     build_module(spec, cuda_target("sm_90a"), {"decode_warps": warps, "decode_block_n": block_n})
 
 
+@needs_compiler  # the schedules import TVM's script layer, which a runtime-only TVM lacks
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_cuda_decode_knobs_fit_shared_memory(dtype):
     """Every head dim's decode knobs (defaults fitted by cuda_decode.default_knobs, under the

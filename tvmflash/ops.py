@@ -326,12 +326,13 @@ def cuda_decode_splits(device: torch.device, row_blocks: int, capacity: int, per
 
 def _decode_plan(q: torch.Tensor, heads_k: int, page_size: int, capacity: int, causal: bool, window: tuple,
                  softcap: bool, alibi: bool, num_splits: int) -> tuple:
-    """What a decode call's shape fixes: (spec, split kernel, its scratch arguments, combine
-    kernel or None: CUDA's kernel merges its splits, a CPU one with one split writes the
-    outputs itself, the kernel's arguments after the modifiers': on CPUs its kv-heads a
-    task). The scratch (split partials; on CUDA also the counters with which the
-    kernel merges its splits, zero between launches) is kept per device, stream and shape
-    (CPU: per calling thread): calls on one stream run in order, so reuse is safe."""
+    """What a decode call's shape fixes: [spec, split kernel, a maker of its scratch arguments,
+    combine kernel or None: CUDA's kernel merges its splits, a CPU one with one split writes
+    the outputs itself, the kernel's arguments after the modifiers': on CPUs its kv-heads a
+    task, the scratch made (None until an eager call makes it)]. The scratch (split partials;
+    on CUDA also the counters with which the kernel merges its splits, zero between launches)
+    is kept per device, stream and shape (CPU: per calling thread): calls on one stream run
+    in order, so reuse is safe."""
     B, H, Lq, D = q.shape
     spec, per_sm = _decode_spec(q.dtype, D, causal, window, softcap, alibi)
     row_blocks = B * heads_k * -(-(H // heads_k) * Lq // DECODE_ROWS)  # CUDA: a split's CTAs
@@ -341,12 +342,14 @@ def _decode_plan(q: torch.Tensor, heads_k: int, page_size: int, capacity: int, c
         splits = cuda_decode_splits(q.device, row_blocks, capacity, per_sm[phase], num_splits)
     else:
         split, kv_heads, splits = _cpu_split_plan(kern, "decode", B, H, heads_k, Lq, capacity, num_splits)
-    scratch = (torch.empty((B, H, splits, Lq, D), dtype=torch.float32, device=q.device),
-               torch.empty((B, H, splits, Lq), dtype=torch.float32, device=q.device))
+    def scratch():
+        partials = (torch.empty((B, H, splits, Lq, D), dtype=torch.float32, device=q.device),
+                    torch.empty((B, H, splits, Lq), dtype=torch.float32, device=q.device))
+        counters = (torch.zeros(row_blocks, dtype=torch.int32, device=q.device),) if q.is_cuda else ()
+        return (*partials, *counters)
     if q.is_cuda:
-        return spec, kern[phase], (*scratch, torch.zeros(row_blocks, dtype=torch.int32, device=q.device)), None, ()
-    combine = kern["decode_combine"] if splits > 1 else None
-    return spec, split, scratch, combine, (kv_heads,)
+        return [spec, kern[phase], scratch, None, (), None]
+    return [spec, split, scratch, kern["decode_combine"] if splits > 1 else None, (kv_heads,), None]
 
 
 _decode_plans: dict = {}
@@ -368,7 +371,7 @@ def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     operator's dispatch, which would be a sizeable part of a decode step's host time."""
     args = (q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, scale, causal, *window,
             softcap, alibi_slopes, num_splits)
-    return decode_kv_cache_op(*args) if torch.compiler.is_compiling() else _decode_kv_cache(*args)
+    return decode_kv_cache_op(*args) if torch.compiler.is_compiling() else _decode_kv_cache(*args, kept_scratch=True)
 
 
 @torch.library.custom_op("tvmflash::decode_kv_cache", mutates_args=())
@@ -376,9 +379,11 @@ def decode_kv_cache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        cache_seqlens: torch.Tensor, cache_leftpad: torch.Tensor, new_keys: int, scale: float,
                        causal: bool, window_left: int, window_right: int, softcap: float,
                        alibi_slopes: Optional[torch.Tensor], num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`decode_kv_cache` as an operator (its window as two ints)."""
+    """`decode_kv_cache` as an operator (its window as two ints). Its scratch is made per call:
+    a CUDA graph tree (torch.compile's mode="reduce-overhead") must own every allocation that
+    outlives a captured call, and kept scratch would."""
     return _decode_kv_cache(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, scale, causal,
-                            window_left, window_right, softcap, alibi_slopes, num_splits)
+                            window_left, window_right, softcap, alibi_slopes, num_splits, kept_scratch=False)
 
 
 @decode_kv_cache_op.register_fake
@@ -389,10 +394,10 @@ def _(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, 
 
 
 def _decode_kv_cache(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, scale, causal,
-                     window_left, window_right, softcap, alibi_slopes, num_splits):
+                     window_left, window_right, softcap, alibi_slopes, num_splits, kept_scratch):
     """decode_kv_cache's work. A decode step costs the GPU tens of microseconds, so the host
     path is kept short: what the shape fixes is looked up once per shape and stream
-    (`_decode_plan`)."""
+    (`_decode_plan`), with its scratch where `kept_scratch`, else the scratch is made now."""
     window = (window_left, window_right)
     B, H, Lq, D = q.shape
     device = q.device
@@ -412,7 +417,11 @@ def _decode_kv_cache(q, k_cache, v_cache, block_table, cache_seqlens, cache_left
             _decode_plans.clear()
         plan = _decode_plans[key] = _decode_plan(q, k_cache.shape[2], k_cache.shape[1], capacity, causal, window,
                                                  softcap > 0, alibi_slopes is not None, num_splits)
-    spec, decode, scratch, combine, tail = plan
+    spec, decode, make_scratch, combine, tail, scratch = plan
+    if not kept_scratch:
+        scratch = make_scratch()
+    elif scratch is None:
+        scratch = plan[5] = make_scratch()
     mod_args = _mod_args(spec, (B, H, Lq, capacity), None, window, softcap, alibi_slopes) if spec.variants else ()
     with _on_stream(device):
         # on CUDA one launch: the kernel merges its splits (o_part, lse_part, counters) into out, lse
