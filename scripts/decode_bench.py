@@ -12,6 +12,9 @@ fastest are timed interleaved with ours). Bars: GPU >= 80% of the copy bandwidth
 
 `--num-splits` also times ours at those fixed split counts (entries `ours paged16 splits2`, ...)
 in the same interleave: the automatic choice against the alternatives, same process.
+`--graphs` (GPU) also times every call replayed from a CUDA graph (entries `... graphed`: no
+host path, as in a captured or compiled decode step), ours against torch's graphed calls; the
+results go to `<gpu>-decode-graphs.json`.
 """
 import argparse
 import json
@@ -86,7 +89,21 @@ def torch_calls(q, length: int) -> dict:
     return calls
 
 
-def main(out_dir: Path, num_splits: tuple = (), lengths: tuple = ()) -> None:
+def graphed(fn):
+    """`fn` captured in a CUDA graph (after a call on a side stream: module loads, scratch);
+    the result replays it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def main(out_dir: Path, num_splits: tuple = (), lengths: tuple = (), graphs: bool = False) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         steady_heap()  # torch's CPU SDPA at its best in every process (bench.steady_heap)
@@ -112,18 +129,32 @@ def main(out_dir: Path, num_splits: tuple = (), lengths: tuple = ()) -> None:
         # ms more, ours and torch's alike (a bf16 matmul before a 4M-element add: 0.23 -> 2.6
         # ms), an additive cost that pulls every ratio towards 1.
         fns.update((name, fn) for name, fn in torch_fns.items() if screen[name] <= 2 * min(screen.values()))
+        if graphs and device == "cuda":
+            for name in [n for n in fns if " splits" not in n]:
+                try:
+                    fns[f"{name} graphed"] = graphed(fns[name])
+                except RuntimeError as e:  # a backend that cannot be captured is left out
+                    print(f"    {name}: not captured ({str(e).splitlines()[0]})", flush=True)
         iters = (5 if length >= 32768 else 20) if device == "cuda" else 10
         t = _interleaved_median_ms(fns, rounds=5, iters=iters, device=device)
         del fns, torch_fns
         if device == "cuda":
             torch.cuda.empty_cache()
         kv_bytes = 2 * B * HK * length * D * 2
-        best_torch = min((name for name in t if name.startswith("torch")), key=t.get)
+        best_torch = min((name for name in t if name.startswith("torch") and not name.endswith("graphed")), key=t.get)
         row = {"length": length, "ms": t, "best_torch": best_torch, "kv_bytes": kv_bytes, "torch_screen_ms": screen}
         for page in PAGES:
             ours = t[f"ours paged{page}"]
             row[f"bandwidth_fraction_paged{page}"] = kv_bytes / (ours * 1e-3) / copy
             row[f"vs_torch_paged{page}"] = t[best_torch] / ours
+        torch_graphed = [name for name in t if name.startswith("torch") and name.endswith("graphed")]
+        if graphs and torch_graphed:
+            row["best_torch_graphed"] = min(torch_graphed, key=t.get)
+            for page in PAGES:
+                row[f"vs_torch_graphed_paged{page}"] = t[row["best_torch_graphed"]] / t[f"ours paged{page} graphed"]
+            print(f"    graphed: " + ", ".join(f"paged{p} {t[f'ours paged{p} graphed'] * 1e3:.1f} us "
+                                             f"(x{row[f'vs_torch_graphed_paged{p}']:.2f})" for p in PAGES)
+                  + f"; {row['best_torch_graphed']} {t[row['best_torch_graphed']] * 1e3:.1f} us", flush=True)
         rows.append(row)
         print(f"L={length}: " + ", ".join(f"paged{p} {t[f'ours paged{p}'] * 1e3:.1f} us "
                                           f"({row[f'bandwidth_fraction_paged{p}']:.2f} of copy, "
@@ -134,14 +165,16 @@ def main(out_dir: Path, num_splits: tuple = (), lengths: tuple = ()) -> None:
                                                  if " splits" in name), flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = f"{cuda_tag()}-decode" if device == "cuda" else "cpu-kvcache-decode"  # (the Xeon run: cpu-xeon-16core-kvcache-decode)
+    tag += "-graphs" if graphs and device == "cuda" else ""
     meta = {"machine": machine_info(device), "copy_bandwidth_bytes_per_s": copy,
             "shape": {"B": B, "H": H, "Hk": HK, "D": D, "Lq": 1, "dtype": "bf16", "pages": PAGES},
             "note": "bandwidth_fraction = K/V bytes / time / copy bandwidth (GPU bar >= 0.8 at >= 8k); "
                     "vs_torch = fastest torch SDPA time / ours (bars: GPU >= 1.0, CPU >= 1.5)", "rows": rows}
     (out_dir / f"{tag}.json").write_text(json.dumps(meta, indent=1))
     labels = [f"{r['length'] // 1024}k" for r in rows]
-    series = {f"{name} paged{p}": [r[f"{key}_paged{p}"] for r in rows]
-              for name, key in (("bandwidth / copy", "bandwidth_fraction"), ("vs torch", "vs_torch")) for p in PAGES}
+    keys = (("bandwidth / copy", "bandwidth_fraction"), ("vs torch", "vs_torch"))
+    keys += (("vs torch, both graphed", "vs_torch_graphed"),) if all("best_torch_graphed" in r for r in rows) else ()
+    series = {f"{name} paged{p}": [r[f"{key}_paged{p}"] for r in rows] for name, key in keys for p in PAGES}
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     plot_ratio_bars(out_dir / f"{tag}.png", labels, series, "fraction of copy bandwidth; torch time / ours",
                     f"decode, {where}, bf16 B={B} H={H} Hk={HK} D={D}, Lq=1, "
@@ -154,6 +187,7 @@ if __name__ == "__main__":
     parser.add_argument("out_dir", nargs="?", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--num-splits", default="", help="comma-separated fixed split counts also timed")
     parser.add_argument("--lengths", default="", help="comma-separated cache lengths (default: the device's grid)")
+    parser.add_argument("--graphs", action="store_true", help="also time every call replayed from a CUDA graph")
     args = parser.parse_args()
     ints = lambda text: tuple(int(x) for x in text.split(",") if x)  # noqa: E731
-    main(args.out_dir, ints(args.num_splits), ints(args.lengths))
+    main(args.out_dir, ints(args.num_splits), ints(args.lengths), args.graphs)
