@@ -54,18 +54,19 @@ def per_sequence_reference(q, k, v, dout, lengths_q, lengths_k, dtype, causal, k
     return out, lse, [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves]
 
 
-def check_varlen(lengths_q, lengths_k, h, hk, d, dtype, causal=False, dropout_p=0.0, seed=0, **variant):
-    """Forward, lse and grads (both CPU backward plans) of flash_attn_varlen_func against the
-    per-sequence reference (float64, and the input dtype for the error budget)."""
+def check_varlen(lengths_q, lengths_k, h, hk, d, dtype, causal=False, dropout_p=0.0, seed=0,
+                 call=tvmflash.flash_attn_varlen_func, **variant):
+    """Forward, lse and grads (both CPU backward plans) of flash_attn_varlen_func (or `call`,
+    e.g. a compiled one) against the per-sequence reference (float64, and the input dtype for
+    the error budget)."""
     q, k, v, dout = make_packed(lengths_q, lengths_k, h, hk, d, dtype, seed)
     cu_q, cu_k = offsets(lengths_q), offsets(lengths_k)
     grads = {}
     for plan in ("fused", "split"):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         torch.manual_seed(seed)
-        out, lse, keep = tvmflash.flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k),
-                                                         dropout_p=dropout_p, causal=causal, return_attn_probs=True,
-                                                         **variant)
+        out, lse, keep = call(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), dropout_p=dropout_p,
+                              causal=causal, return_attn_probs=True, **variant)
         with backward_plan(plan):
             out.backward(dout)
         grads[plan] = [x.grad for x in leaves]
@@ -113,6 +114,25 @@ def test_varlen(dtype, causal, window, softcap, alibi_kind, dropout_p, lengths_q
                         softcap=softcap, alibi_slopes=slopes)
     if dropout_p:  # the returned mask is in packed coordinates: (H, total_q, total_k)
         assert keep.shape == (h, sum(lengths_q), sum(lengths_k))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_varlen_is_one_graph(backend):
+    """flash_attn_varlen_func compiles with fullgraph=True (the offsets are read by the
+    tvmflash::varlen_tables operator when the graph runs): values, lse and every gradient
+    against the per-sequence reference, for two batches of other lengths and as many tokens
+    through one graph; bad offsets still raise when the graph runs."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(tvmflash.flash_attn_varlen_func, fullgraph=True, backend=backend)
+    for lengths_q, lengths_k in [([5, 0, 1, 37, 20], [9, 3, 1, 37, 64]), ([20, 1, 37, 5, 0], [64, 37, 3, 1, 9])]:
+        check_varlen(lengths_q, lengths_k, 4, 2, 32, torch.float32, True, call=compiled)  # test_varlen's causal spec
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    q, k, v, _ = make_packed([5, 6], [5, 6], 4, 2, 32, torch.float32)
+    with pytest.raises(ValueError, match="must end at the number of tokens"):
+        compiled(q, k, v, offsets([5, 6]), offsets([5, 5]), 6, 6, causal=True)
 
 
 def test_packed_functions_match_the_unpacked_ones():

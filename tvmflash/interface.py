@@ -259,6 +259,18 @@ def _check_stacked(name: str, x, n: int) -> None:
 def _cu_offsets(name: str, cu, device) -> list:
     """cu_seqlens' offsets as a host list (one sync on CUDA), checked: an int32 (batch + 1,)
     tensor on the tensors' device, 0 first, non-decreasing."""
+    _check_cu_tensor(name, cu, device)
+    offsets = cu.tolist()
+    if offsets[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {offsets[0]}")
+    if any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"{name} must be non-decreasing, got {offsets}")
+    return offsets
+
+
+def _check_cu_tensor(name: str, cu, device) -> None:
+    """cu_seqlens is an int32 (batch + 1,) tensor on the tensors' device (checked without
+    reading it)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -267,12 +279,6 @@ def _cu_offsets(name: str, cu, device) -> list:
         raise ValueError(f"{name} must be 1-D of length batch + 1, got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but the tensors are on {device}")
-    offsets = cu.tolist()
-    if offsets[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {offsets[0]}")
-    if any(b < a for a, b in zip(offsets, offsets[1:])):
-        raise ValueError(f"{name} must be non-decreasing, got {offsets}")
-    return offsets
 
 
 def _check_fits(name: str, offsets: list, longest: int, total, max_name: str, max_seqlen) -> None:
@@ -340,6 +346,25 @@ class _PackedSequences:
 _PACKED = _PackedSequences()
 
 
+@torch.library.custom_op("tvmflash::varlen_tables", mutates_args=())
+def varlen_tables(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
+                  max_seqlen_q: int, max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A cu_seqlens pair's kernel tables (`_packed_rows`), its offsets checked against the token
+    counts and the max_seqlen bounds: the part of `flash_attn_varlen_func` that reads the
+    offsets, as an operator, so that under torch.compile the reads happen when the graph runs
+    (its output shapes follow from the token counts and the batch)."""
+    offsets_q, offsets_k, longest_q, longest_k, tables = _PACKED.get(cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.device)
+    _check_fits("cu_seqlens_q", offsets_q, longest_q, total_q, "max_seqlen_q", max_seqlen_q)
+    _check_fits("cu_seqlens_k", offsets_k, longest_k, total_k, "max_seqlen_k", max_seqlen_k)
+    return tuple(t.clone() for t in tables)  # an operator's outputs are its own
+
+
+@varlen_tables.register_fake
+def _(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k):
+    new = cu_seqlens_q.new_empty
+    return new((total_q, 5)), new((total_k, 5)), new((cu_seqlens_q.shape[0] - 1, 4))
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None):
@@ -351,7 +376,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns out (total_q, H, D); with `return_attn_probs`, (out, lse (H, total_q), keep), keep
     the (H, total_q, total_k) dropout mask in packed coordinates (None without dropout).
     The offsets are checked (read to the host: one sync on CUDA); `max_seqlen_*` must bound the
-    lengths (the kernels do not need them).
+    lengths (the kernels do not need them). Under torch.compile (without block_table) that read
+    is the `tvmflash::varlen_tables` operator, so the call compiles with fullgraph=True.
 
     Paged keys: with `block_table` (int32 (batch, max_blocks)), k and v are paged caches
     (num_blocks, page_size, Hk, D) (page size a multiple of 16) and sequence b's keys are the
@@ -362,13 +388,25 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _check_tensor(name, x, 3 if block_table is None else 4,
                       " (total_tokens, nheads, head_dim)" if block_table is None
                       else " (num_blocks, page_size, nheads_k, head_dim) with block_table")
-    offsets_q, offsets_k, longest_q, longest_k, tables = _PACKED.get(cu_seqlens_q, cu_seqlens_k, q.device)
-    _check_fits("cu_seqlens_q", offsets_q, longest_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
-    _check_fits("cu_seqlens_k", offsets_k, longest_k, k.shape[0] if block_table is None else None, "max_seqlen_k",
-                max_seqlen_k)
-    if block_table is not None:
-        k, v = _gathered_pages(k, v, block_table, offsets_k)
-    out, lse, keep = _varlen_attention(q, k, v, tables, len(offsets_q) - 1, dropout_p, softmax_scale, causal,
+    if torch.compiler.is_compiling() and block_table is None:  # the offsets are read when the graph runs
+        for name, cu, max_name, max_seqlen in (("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q),
+                                               ("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k)):
+            _check_cu_tensor(name, cu, q.device)
+            _check_fits(name, [0], 0, None, max_name, max_seqlen)  # its type, here
+        if cu_seqlens_q.shape != cu_seqlens_k.shape:
+            raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries but cu_seqlens_k has "
+                             f"{cu_seqlens_k.shape[0]}: both must be batch + 1 long")
+        tables = list(varlen_tables(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k))
+        num_seqs = cu_seqlens_q.shape[0] - 1
+    else:
+        offsets_q, offsets_k, longest_q, longest_k, tables = _PACKED.get(cu_seqlens_q, cu_seqlens_k, q.device)
+        _check_fits("cu_seqlens_q", offsets_q, longest_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
+        _check_fits("cu_seqlens_k", offsets_k, longest_k, k.shape[0] if block_table is None else None,
+                    "max_seqlen_k", max_seqlen_k)
+        if block_table is not None:
+            k, v = _gathered_pages(k, v, block_table, offsets_k)
+        num_seqs = len(offsets_q) - 1
+    out, lse, keep = _varlen_attention(q, k, v, tables, num_seqs, dropout_p, softmax_scale, causal,
                                        window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     return (out, lse, keep) if return_attn_probs else out
 
