@@ -1,15 +1,19 @@
-"""Same-process A/B of CPU decode modules: flash_attn_with_kvcache (bf16, D = 128, shuffled
+"""Same-process A/B of decode modules: flash_attn_with_kvcache (bf16, D = 128, shuffled
 pages of 16 and 256) timed with each module in turn, interleaved, in one process, so that two
 versions of the split-KV kernels compare on one machine state (runs across sessions differ by
 more than the changes measured). Build each version's module into a folder from its checkout,
-then time the folders together (on the Xeon: carry them, TVM's runtime is enough).
+then time the folders together (on the GPU machine: carry them, TVM's runtime is enough).
 
-    python scripts/decode_ab.py build DIR [--target avx512|host]   # this checkout's module -> DIR/mod.so
+    python scripts/decode_ab.py build DIR [--target avx512|host|cuda] [--knobs JSON]   # -> DIR/mod.so
     python scripts/decode_ab.py run DIR_A DIR_B[@SPLITS] ... [--lengths 1024,4096] [--same-page] [--num-splits N] [--out F.jsonl]
 
-`--same-page` points every page-table entry at one page: nothing comes from memory, so the
-times are the kernels' compute. Speedups are against the first folder's module. Every module
-runs with this checkout's automatic splits (`ops._cpu_splits`), its own most kv-heads a task.
+On the CPU: `--same-page` points every page-table entry at one page: nothing comes from memory,
+so the times are the kernels' compute; every module runs with this checkout's automatic splits
+(`ops._cpu_splits`), its own most kv-heads a task. On a GPU (modules built `--target cuda`,
+`--knobs` over the tuned ones, e.g. '{"decode_long_stages": 3}'): each module's call is
+replayed from a CUDA graph (a decode step's kernel without its host path), beside torch's
+cuDNN SDPA graphed on the dense cache, and each entry's time is given against cuDNN's. CPU
+speedups are against the first folder's module.
 """
 import argparse
 import json
@@ -30,12 +34,14 @@ PAGES = (16, 256)
 
 
 def target_of(name: str | None) -> dict:
+    if name == "cuda":
+        return build.cuda_target("sm_90a")
     return build.AVX512_TARGET if name == "avx512" else build.host_target() if name == "host" else build.cpu_target()
 
 
-def build_into(folder: Path, target: dict) -> None:
+def build_into(folder: Path, target: dict, knobs: dict | None = None) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    build.build_module(SPEC, target).export_library(str(folder / "mod.so"))
+    build.build_module(SPEC, target, knobs).export_library(str(folder / "mod.so"))
     (folder / "target.json").write_text(json.dumps(target))
     (folder / "kv_heads.json").write_text(json.dumps(host.SPLIT_MAX_KV_HEADS))
     print(f"{folder / 'mod.so'}: {SPEC.name} for {build.target_label(target)}")
@@ -56,6 +62,9 @@ def without_kv_heads(kernel):
 def load(folder: Path) -> dict:
     """The kernels of folder/mod.so by name, as build.load_cached gives them."""
     target = json.loads((folder / "target.json").read_text())
+    if target["kind"] == "cuda":
+        target = build.cuda_target_for_device(0)
+        return build.kernels_from_module(build._load(folder / "mod.so", target), SPEC, target)
     module = build._load(folder / "mod.so", target)
     names = set(build.kernels_of(SPEC, target)) | set(build.CPU_OPTIONAL_KERNELS)
     kernels = {n: module[n] for n in names if module.implements_function(n, query_imports=True)}
@@ -125,12 +134,54 @@ def run(entries: list[str], lengths: list[int], batch: int, heads: int, heads_k:
                                         "cpu": machine_info("cpu")["cpu_model"]}) + "\n")
 
 
+def run_graphed(folders: list[str], lengths: list[int], out: Path | None) -> None:
+    """The GPU A/B: each folder's kernels (their own decode plans, whose scratch the graphs
+    use) captured in a CUDA graph per length and page size, replayed interleaved with cuDNN's."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from decode_bench import B, D, DTYPE, H, HK, graphed, paged_cache
+
+    modules = {Path(f).name: load(Path(f)) for f in folders}
+    plans = {name: {} for name in modules}
+    key = (SPEC, torch.device("cuda", 0), None)  # ops._kernels' cache key
+    for length in lengths:
+        q = torch.randn(B, 1, H, D, device="cuda", dtype=DTYPE)
+        fns, outputs, alive = {}, {}, []  # alive: what the graphs read (a graph does not hold it)
+        for page in PAGES:
+            k, v, table = paged_cache(length, page, "cuda")
+            call = (lambda k, v, t: lambda: tvmflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=length,
+                                                                             block_table=t))(k, v, table)
+            alive.append(call)
+            for name, kernels in modules.items():
+                ops._loaded[key], ops._decode_plans = kernels, plans[name]
+                outputs[name, page] = call().float()
+                fns[f"{name} pages{page}"] = graphed(call)
+        kd, vd = (torch.randn(B, HK, length, D, device="cuda", dtype=DTYPE) for _ in range(2))
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q.transpose(1, 2), kd, vd, enable_gqa=True)
+        fns["torch cudnn"] = graphed(cudnn)
+        ms = _interleaved_median_ms(fns, rounds=9, iters=20, device="cuda")
+        first = next(iter(modules))
+        row = {"length": length, "us": {n: round(t * 1e3, 2) for n, t in ms.items()},
+               "vs_cudnn": {n: round(ms["torch cudnn"] / t, 3) for n, t in ms.items()},
+               "max_diff_vs_first": max((o - outputs[first, p]).abs().max().item() for (_, p), o in outputs.items())}
+        print(json.dumps(row), flush=True)
+        if out:
+            with out.open("a") as f:
+                f.write(json.dumps({**row, "gpu": torch.cuda.get_device_name()}) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build")
     b.add_argument("folder", type=Path)
-    b.add_argument("--target", choices=("avx512", "host"), help="default: this CPU's (build.cpu_target)")
+    b.add_argument("--target", choices=("avx512", "host", "cuda"), help="default: this CPU's (build.cpu_target)")
+    b.add_argument("--knobs", default="{}", help="knobs over the tuned ones (JSON)")
     r = sub.add_parser("run")
     r.add_argument("folders", nargs="+", help="DIR, or DIR@N: its module with num_splits N")
     r.add_argument("--lengths", default="1024,4096", help="cache lengths (comma separated)")
@@ -142,7 +193,9 @@ def main() -> None:
     r.add_argument("--out", type=Path, help="append the rows to this JSON-lines file")
     args = parser.parse_args()
     if args.command == "build":
-        build_into(args.folder, target_of(args.target))
+        build_into(args.folder, target_of(args.target), json.loads(args.knobs))
+    elif torch.cuda.is_available():
+        run_graphed(args.folders, [int(x) for x in args.lengths.split(",")], args.out)
     else:
         heads, heads_k = (int(x) for x in args.heads.split(","))
         run(args.folders, [int(x) for x in args.lengths.split(",")], args.batch, heads, heads_k, args.lq,
