@@ -875,6 +875,55 @@ def test_cuda_compiled_decode_step():
 
 
 @needs_gpu
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_cuda_compiled_attention(mode):
+    """flash_attn_func and SDPA compiled with fullgraph=True on CUDA (the tensors' addresses
+    are checked by the operator when the graph runs; with mode="reduce-overhead" in CUDA
+    graphs): forward and gradients as eager."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+    def block(q, k, v):
+        a = tvmflash.flash_attn_func(q * 2, k, v, causal=True)
+        return tvmflash.scaled_dot_product_attention(a.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                     is_causal=True).relu()
+
+    compiled = torch.compile(block, fullgraph=True, mode=mode)
+    q, k, v, dout = (torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    results = []
+    for call in (block, compiled, compiled):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = call(*leaves)
+        out.backward(dout.transpose(1, 2))
+        results.append([out.detach().clone(), *(x.grad for x in leaves)])
+    for eager, graphed in zip(results[0], results[2]):  # dQ accumulates atomically: equal up to summation order
+        assert (eager.float() - graphed.float()).abs().max() < 2e-2
+
+
+@needs_gpu
+def test_cuda_compiled_varlen_step():
+    """flash_attn_varlen_func compiled with fullgraph=True and mode="reduce-overhead": the
+    offsets' read (a sync) stays out of the CUDA graphs; forward and gradients as eager, for
+    two batches of other lengths."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled = torch.compile(tvmflash.flash_attn_varlen_func, fullgraph=True, mode="reduce-overhead")
+    for lengths in ([100, 3, 257], [7, 300, 53]):
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        q, k, v, dout = (torch.randn(sum(lengths), 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        results = []
+        for call in (tvmflash.flash_attn_varlen_func, compiled):
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+            out = call(*leaves, cu, cu, max(lengths), max(lengths), causal=True)
+            out.backward(dout)
+            results.append([out.detach().clone(), *(x.grad for x in leaves)])
+        for eager, graphed in zip(*results):  # dQ accumulates atomically: equal up to summation order
+            assert (eager.float() - graphed.float()).abs().max() < 2e-2
+
+
+@needs_gpu
 def test_cuda_tensors_above_2_31_elements():
     """q/k/v/out of 2^31 + 2^17 elements (one head of 2^24 + 1024 positions, D = 128, a
     64-key causal window so the work stays small): the rows past element 2^31 attend, and

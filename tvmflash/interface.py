@@ -68,10 +68,7 @@ def _check_cuda(q, k, v, names) -> None:
         raise TypeError(f"{names[0]} is float32: on CUDA tvmflash takes float16 or bfloat16")
     if q.shape[-1] % 16:
         raise ValueError(f"head_dim must be a multiple of 16 on CUDA, got {q.shape[-1]}")
-    for name, x in zip(names, (q, k, v)):
-        if x.data_ptr() % 16 or any(s % 8 for s in x.stride()[:-1]):
-            raise ValueError(f"{name} must be 16-byte aligned with strides that are multiples of 8 "
-                             f"elements on CUDA, got strides {x.stride()}")
+    ops.check_cuda_addresses(names, (q, k, v))
 
 
 def _scale(scale, head_dim: int, name: str) -> float:
@@ -346,7 +343,12 @@ class _PackedSequences:
 _PACKED = _PackedSequences()
 
 
-@torch.library.custom_op("tvmflash::varlen_tables", mutates_args=())
+# reading the offsets syncs with the GPU: not inside a CUDA graph (torch.compile's
+# mode="reduce-overhead" leaves such operators out of its graphs; older torch has no tag)
+_HOST_READS = tuple(t for t in [getattr(torch.Tag, "cudagraph_unsafe", None)] if t is not None)
+
+
+@torch.library.custom_op("tvmflash::varlen_tables", mutates_args=(), tags=_HOST_READS)
 def varlen_tables(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
                   max_seqlen_q: int, max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A cu_seqlens pair's kernel tables (`_packed_rows`), its offsets checked against the token

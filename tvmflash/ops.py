@@ -188,8 +188,20 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: O
     validates them; `dropout_rng` is the (2,) int64 [seed, offset] on q's device (rng.py).
     varlen_q_rows / varlen_k_rows pack sequences into the one batch of q/k/v (each row's
     sequence, kernels/score_mods.py's Varlen; interface.py builds them from checked offsets)."""
+    if q.is_cuda:  # traced callers checked all but the addresses, which exist only now
+        check_cuda_addresses(("q", "k", "v"), (q, k, v))
     return _forward(q, k, v, mask, scale, causal, (window_left, window_right), softcap, alibi_slopes, dropout_p,
                     dropout_rng, _seqlens((varlen_q_rows, varlen_k_rows, varlen_seqs)))
+
+
+def check_cuda_addresses(names, tensors) -> None:
+    """The tensor-core kernels load 16-byte rows with cp.async: CUDA tensors must start
+    16-byte aligned with strides that are multiples of 8 elements. Under torch.compile the
+    traced call checks the strides and the operator the addresses (Dynamo cannot trace them)."""
+    for name, x in zip(names, tensors):
+        if (not torch.compiler.is_compiling() and x.data_ptr() % 16) or any(s % 8 for s in x.stride()[:-1]):
+            raise ValueError(f"{name} must be 16-byte aligned with strides that are multiples of 8 "
+                             f"elements on CUDA, got strides {x.stride()}")
 
 
 def _forward(q, k, v, mask, scale, causal, window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
