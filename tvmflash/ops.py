@@ -606,8 +606,8 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic,
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if Lq == 0 or Lk == 0 or q.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
+    if dout.stride(-1) != 1 or (dout.is_cuda and (dout.data_ptr() % 16 or any(s % 8 for s in dout.stride()[:-1]))):
+        dout = dout.contiguous()  # (CUDA: the kernels load 16-byte rows, as of q, k, v)
     spec = spec_for(q, mask, causal, window, softcap, alibi_slopes, dropout_p, flex, seqlens is not None)
     kern = _kernels(spec, q.device)
     mod_args = _mod_args(spec, (B, H, Lq, Lk), mask, window, softcap, alibi_slopes, dropout_p, dropout_rng,
