@@ -607,7 +607,9 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic,
     if Lq == 0 or Lk == 0 or q.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     if dout.stride(-1) != 1 or (dout.is_cuda and (dout.data_ptr() % 16 or any(s % 8 for s in dout.stride()[:-1]))):
-        dout = dout.contiguous()  # (CUDA: the kernels load 16-byte rows, as of q, k, v)
+        # a fresh copy (CUDA: the kernels load 16-byte rows, as of q, k, v; contiguous() would
+        # return a contiguous but misaligned view as it is)
+        dout = dout.clone(memory_format=torch.contiguous_format)
     spec = spec_for(q, mask, causal, window, softcap, alibi_slopes, dropout_p, flex, seqlens is not None)
     kern = _kernels(spec, q.device)
     mod_args = _mod_args(spec, (B, H, Lq, Lk), mask, window, softcap, alibi_slopes, dropout_p, dropout_rng,
