@@ -7,6 +7,7 @@ process on the GPU (or, without one, the CPU).
     python scripts/decode_host_probe.py [--lengths 16,1024] [--out F.jsonl]
 """
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -27,8 +28,8 @@ def main(lengths, out_path) -> None:
         call = lambda: tvmflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=length, block_table=table)  # noqa: E731
         call()
         (key, plan), = ops._decode_plans.items()
-        spec, kernel, make_scratch, combine, tail, scratch = plan
-        idle = [spec, lambda *args: None, make_scratch, None, tail, scratch]
+        kernel, combine, tail, scratch = plan.kernel, plan.combine, plan.tail, plan.scratch
+        idle = dataclasses.replace(plan, kernel=lambda *args: None, combine=None)
         zeros = torch.zeros(B, dtype=torch.int32, device=device)
         out = torch.empty(B, 1, H, D, device=device, dtype=DTYPE)
         lse = torch.empty(B, H, 1, device=device)

@@ -8,6 +8,7 @@ as views, so q/k/v are never copied. Tensors go to the TVM functions directly (D
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import threading
@@ -336,15 +337,27 @@ def cuda_decode_splits(device: torch.device, row_blocks: int, capacity: int, per
     return max(1, min(num_splits, -(-capacity // 16), 256))
 
 
+@dataclasses.dataclass
+class DecodePlan:
+    """What a decode call's shape fixes. `make_scratch` makes the kernel's scratch arguments
+    (split partials; on CUDA also the counters with which the kernel merges its splits, zero
+    between launches); `scratch` is the one eager calls keep (None until one makes it), per
+    device, stream and shape (CPU: per calling thread): calls on one stream run in order, so
+    reuse is safe. `combine`: the CPU's merge of several splits (None: CUDA's kernel merges its
+    own, and one split writes the outputs itself); `tail`: the kernel's arguments after the
+    modifiers' (on CPUs its kv-heads a task)."""
+
+    spec: AttentionSpec
+    kernel: object
+    make_scratch: object
+    combine: object
+    tail: tuple
+    scratch: Optional[tuple] = None
+
+
 def _decode_plan(q: torch.Tensor, heads_k: int, page_size: int, capacity: int, causal: bool, window: tuple,
-                 softcap: bool, alibi: bool, num_splits: int) -> tuple:
-    """What a decode call's shape fixes: [spec, split kernel, a maker of its scratch arguments,
-    combine kernel or None: CUDA's kernel merges its splits, a CPU one with one split writes
-    the outputs itself, the kernel's arguments after the modifiers': on CPUs its kv-heads a
-    task, the scratch made (None until an eager call makes it)]. The scratch (split partials;
-    on CUDA also the counters with which the kernel merges its splits, zero between launches)
-    is kept per device, stream and shape (CPU: per calling thread): calls on one stream run
-    in order, so reuse is safe."""
+                 softcap: bool, alibi: bool, num_splits: int) -> DecodePlan:
+    """The DecodePlan of a call's shape."""
     B, H, Lq, D = q.shape
     spec, per_sm = _decode_spec(q.dtype, D, causal, window, softcap, alibi)
     row_blocks = B * heads_k * -(-(H // heads_k) * Lq // DECODE_ROWS)  # CUDA: a split's CTAs
@@ -360,8 +373,8 @@ def _decode_plan(q: torch.Tensor, heads_k: int, page_size: int, capacity: int, c
         counters = (torch.zeros(row_blocks, dtype=torch.int32, device=q.device),) if q.is_cuda else ()
         return (*partials, *counters)
     if q.is_cuda:
-        return [spec, kern[phase], scratch, None, (), None]
-    return [spec, split, scratch, kern["decode_combine"] if splits > 1 else None, (kv_heads,), None]
+        return DecodePlan(spec, kern[phase], scratch, None, ())
+    return DecodePlan(spec, split, scratch, kern["decode_combine"] if splits > 1 else None, (kv_heads,))
 
 
 _decode_plans: dict = {}
@@ -429,11 +442,13 @@ def _decode_kv_cache(q, k_cache, v_cache, block_table, cache_seqlens, cache_left
             _decode_plans.clear()
         plan = _decode_plans[key] = _decode_plan(q, k_cache.shape[2], k_cache.shape[1], capacity, causal, window,
                                                  softcap > 0, alibi_slopes is not None, num_splits)
-    spec, decode, make_scratch, combine, tail, scratch = plan
     if not kept_scratch:
-        scratch = make_scratch()
-    elif scratch is None:
-        scratch = plan[5] = make_scratch()
+        scratch = plan.make_scratch()
+    elif plan.scratch is None:
+        scratch = plan.scratch = plan.make_scratch()
+    else:
+        scratch = plan.scratch
+    spec, decode, combine, tail = plan.spec, plan.kernel, plan.combine, plan.tail
     mod_args = _mod_args(spec, (B, H, Lq, capacity), None, window, softcap, alibi_slopes) if spec.variants else ()
     with _on_stream(device):
         # on CUDA one launch: the kernel merges its splits (o_part, lse_part, counters) into out, lse
