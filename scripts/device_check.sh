@@ -18,6 +18,7 @@ cd "$(dirname "$0")/.."
 . .tvmbundle/prelude.sh
 export PYTHONPATH=$PWD/.devsite:$PYTHONPATH
 export TVMFLASH_CACHE_DIR=${TVMFLASH_CACHE_DIR:-$PWD/.devcache}
+export TVMFLASH_REVISION=$(cat "$TVMFLASH_CACHE_DIR/REVISION" 2>/dev/null)  # the modules' revision (bench.machine_info)
 [ -d .devexport ] && export TVMFLASH_TEST_EXPORTED=$PWD/.devexport
 out=${OUT:-benchmarks/results}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

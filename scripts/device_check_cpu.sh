@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 . .tvmbundle/prelude.sh
 export PYTHONPATH=$PWD/.devsite:$PYTHONPATH
 export TVMFLASH_CACHE_DIR=${TVMFLASH_CACHE_DIR:-$PWD/.devcache/cpu}
+export TVMFLASH_REVISION=$(cat "$TVMFLASH_CACHE_DIR/REVISION" 2>/dev/null)  # the modules' revision (bench.machine_info)
 out=${OUT:-benchmarks/results}
 lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core|Socket"
 grep -o -E 'amx_[a-z0-9]+|avx512_bf16|avx512_fp16' /proc/cpuinfo | sort -u | tr '\n' ' '; echo

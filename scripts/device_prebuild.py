@@ -17,6 +17,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TVMFLASH_CACHE_DIR", str(ROOT / ".devcache"))
 
 from tvmflash import build  # noqa: E402
+from tvmflash.bench import write_revision  # noqa: E402
 from tvmflash.spec import AttentionSpec  # noqa: E402
 specs = set()
 for dt, d, c in itertools.product(["float16", "bfloat16"], [32, 64, 96, 128, 192, 256], ["none", "bottom_right", "top_left"]):
@@ -48,4 +49,5 @@ if len(sys.argv) > 1:
     specs = {s for s in specs if any(part in s.name for part in sys.argv[1:])}
 start = time.time()
 build.build_many(specs, build.cuda_target("sm_90a"))
+write_revision(build.cache_dir())  # the results' provenance there (bench.machine_info)
 print(f"{len(specs)} specs in {build.cache_dir()} ({time.time() - start:.0f} s)")

@@ -16,6 +16,7 @@ os.environ.setdefault("TVMFLASH_CACHE_DIR", str(ROOT / ".devcache" / "cpu"))
 
 from test_avx512 import MASK_CASES, SPECS, amx_variant_specs  # noqa: E402
 from tvmflash import build  # noqa: E402
+from tvmflash.bench import write_revision  # noqa: E402
 from tvmflash.cpu import torch_thread_launcher  # noqa: E402
 from tvmflash.spec import AttentionSpec  # noqa: E402
 
@@ -38,5 +39,6 @@ elif sys.argv[1:]:
     sys.exit(f"usage: {sys.argv[0]} [decode]")
 start = time.time()
 build.build_many(specs, build.AVX512_TARGET)
+write_revision(build.cache_dir())  # the results' provenance there (bench.machine_info)
 torch_thread_launcher(str(build.cache_dir()))  # the OpenMP launcher too (the Xeon may lack a C compiler)
 print(f"{len(specs)} specs in {build.cache_dir()} ({time.time() - start:.0f} s)")

@@ -432,6 +432,11 @@ def cuda_tag() -> str:
 
 
 def _git_describe() -> str | None:
+    """The code's revision: $TVMFLASH_REVISION where set (the device scripts set it to the
+    revision their modules were built from: the tree copied to the GPU machine carries a
+    .git of another commit), else `git describe` of this checkout."""
+    if os.environ.get("TVMFLASH_REVISION"):
+        return os.environ["TVMFLASH_REVISION"]
     try:
         result = subprocess.run(
             ["git", "describe", "--always", "--dirty"],
@@ -443,6 +448,12 @@ def _git_describe() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return result.stdout.strip() or None
+
+
+def write_revision(folder: str | Path) -> None:
+    """folder/REVISION: this checkout's revision (`_git_describe`), which the device scripts
+    export as $TVMFLASH_REVISION beside the modules built into `folder`."""
+    (Path(folder) / "REVISION").write_text((_git_describe() or "unknown") + "\n")
 
 
 def write_results(rows: list[dict], out_dir: str | Path, tag: str) -> tuple[Path, Path]:
