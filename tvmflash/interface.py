@@ -278,13 +278,17 @@ def _check_cu_tensor(name: str, cu, device) -> None:
         raise ValueError(f"{name} is on {cu.device} but the tensors are on {device}")
 
 
+def _check_max_seqlen(max_name: str, max_seqlen) -> None:
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+        raise TypeError(f"{max_name} must be an int, got {type(max_seqlen).__name__}")
+
+
 def _check_fits(name: str, offsets: list, longest: int, total, max_name: str, max_seqlen) -> None:
     """The offsets end at the token count `total` (None: any); `max_seqlen` is an int no
     smaller than the longest sequence."""
     if total is not None and offsets[-1] != total:
         raise ValueError(f"{name} must end at the number of tokens ({total}), got {offsets[-1]}")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
-        raise TypeError(f"{max_name} must be an int, got {type(max_seqlen).__name__}")
+    _check_max_seqlen(max_name, max_seqlen)
     if max_seqlen < longest:
         raise ValueError(f"{max_name} ({max_seqlen}) is below the longest sequence of {name} ({longest})")
 
@@ -394,7 +398,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         for name, cu, max_name, max_seqlen in (("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q),
                                                ("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k)):
             _check_cu_tensor(name, cu, q.device)
-            _check_fits(name, [0], 0, None, max_name, max_seqlen)  # its type, here
+            _check_max_seqlen(max_name, max_seqlen)
         if cu_seqlens_q.shape != cu_seqlens_k.shape:
             raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries but cu_seqlens_k has "
                              f"{cu_seqlens_k.shape[0]}: both must be batch + 1 long")
