@@ -278,6 +278,12 @@ def _check_cu_tensor(name: str, cu, device) -> None:
         raise ValueError(f"{name} is on {cu.device} but the tensors are on {device}")
 
 
+def _check_same_batch(entries_q: int, entries_k: int) -> None:
+    if entries_q != entries_k:
+        raise ValueError(f"cu_seqlens_q has {entries_q} entries but cu_seqlens_k has {entries_k}: "
+                         "both must be batch + 1 long")
+
+
 def _check_max_seqlen(max_name: str, max_seqlen) -> None:
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
         raise TypeError(f"{max_name} must be an int, got {type(max_seqlen).__name__}")
@@ -334,9 +340,7 @@ class _PackedSequences:
                     and cu_q.device == device:
                 return value
         offsets_q, offsets_k = _cu_offsets("cu_seqlens_q", cu_q, device), _cu_offsets("cu_seqlens_k", cu_k, device)
-        if len(offsets_q) != len(offsets_k):
-            raise ValueError(f"cu_seqlens_q has {len(offsets_q)} entries but cu_seqlens_k has {len(offsets_k)}: "
-                             "both must be batch + 1 long")
+        _check_same_batch(len(offsets_q), len(offsets_k))
         longest = [max((b - a for a, b in zip(o, o[1:])), default=0) for o in (offsets_q, offsets_k)]
         value = (offsets_q, offsets_k, *longest, _packed_rows(offsets_q, offsets_k, device))
         if versions is not None and not torch.compiler.is_compiling():
@@ -399,9 +403,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                                ("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k)):
             _check_cu_tensor(name, cu, q.device)
             _check_max_seqlen(max_name, max_seqlen)
-        if cu_seqlens_q.shape != cu_seqlens_k.shape:
-            raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries but cu_seqlens_k has "
-                             f"{cu_seqlens_k.shape[0]}: both must be batch + 1 long")
+        _check_same_batch(cu_seqlens_q.shape[0], cu_seqlens_k.shape[0])
         tables = list(varlen_tables(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k))
         num_seqs = cu_seqlens_q.shape[0] - 1
     else:

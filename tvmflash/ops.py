@@ -200,9 +200,15 @@ def check_cuda_addresses(names, tensors) -> None:
     16-byte aligned with strides that are multiples of 8 elements. Under torch.compile the
     traced call checks the strides and the operator the addresses (Dynamo cannot trace them)."""
     for name, x in zip(names, tensors):
-        if (not torch.compiler.is_compiling() and x.data_ptr() % 16) or any(s % 8 for s in x.stride()[:-1]):
+        if not _loads_in_16_byte_rows(x, address=not torch.compiler.is_compiling()):
             raise ValueError(f"{name} must be 16-byte aligned with strides that are multiples of 8 "
                              f"elements on CUDA, got strides {x.stride()}")
+
+
+def _loads_in_16_byte_rows(x: torch.Tensor, address: bool = True) -> bool:
+    """Whether the CUDA kernels' 16-byte row loads can read `x` in place: strides that are
+    multiples of 8 elements and (where `address`) a 16-byte aligned start."""
+    return not (address and x.data_ptr() % 16) and not any(s % 8 for s in x.stride()[:-1])
 
 
 def _forward(q, k, v, mask, scale, causal, window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
@@ -621,7 +627,7 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic,
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if Lq == 0 or Lk == 0 or q.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    if dout.stride(-1) != 1 or (dout.is_cuda and (dout.data_ptr() % 16 or any(s % 8 for s in dout.stride()[:-1]))):
+    if dout.stride(-1) != 1 or (dout.is_cuda and not _loads_in_16_byte_rows(dout)):
         # a fresh copy (CUDA: the kernels load 16-byte rows, as of q, k, v; contiguous() would
         # return a contiguous but misaligned view as it is)
         dout = dout.clone(memory_format=torch.contiguous_format)
