@@ -97,18 +97,20 @@ def gather_16(dtype: str, base, byte_offsets):
 
 
 def word_column(src, b, h, r0, p, rows):
-    """The 32-bit words src[b, h, r0 + r, 2p : 2p + 2] (a bf16 pair) of rows r < 32, as two
-    int32x16 (rows r0..r0+15, r0+16..r0+31; 0 for rows past `rows`), by two `vpgatherdd` (row
-    indices clamped in bounds). A TIR load of a column gathers lane by lane (a 16-bit insert
-    an element, which cost the AMX forward's V^T pack about a tenth of an L = 1024 call);
-    emits its bindings into the statement being built. The gathers' 32-bit byte offsets
-    count from the first row, so they stay within 31 rows whatever the sequence's length."""
+    """The 32-bit words src[b, h, r0 + r, 2p : 2p + 2] (a bf16 pair; of an fp32 `src`, element
+    p) of rows r < 32, as two int32x16 (rows r0..r0+15, r0+16..r0+31; 0 for rows past `rows`),
+    by two `vpgatherdd` (row indices clamped in bounds). A TIR load of a column gathers lane by
+    lane (a 16-bit insert an element, which cost the AMX forward's V^T pack about a tenth of
+    an L = 1024 call); emits its bindings into the statement being built. The gathers' 32-bit
+    byte offsets count from the first row, so they stay within 31 rows whatever the sequence's
+    length."""
     first = tirx.min(r0, rows - 1)
     row_elems = src.strides[2] if src.strides else src.shape[3]  # (a compact buffer has no strides)
-    row_bytes = tirx.Broadcast(tirx.Cast("int32", row_elems * 2), 16)
+    fp32 = src.dtype == F32
+    row_bytes = tirx.Broadcast(tirx.Cast("int32", row_elems * (4 if fp32 else 2)), 16)
     last = tirx.Broadcast(tirx.Cast("int32", rows - 1 - first), 16)
     zero = tirx.Broadcast(tirx.const(0, "int32"), 16)
-    base = tirx.address_of(src[b, h, first, p * 2])
+    base = tirx.address_of(src[b, h, first, p if fp32 else p * 2])
     words = []
     for half in range(2):
         row = tirx.Broadcast(tirx.Cast("int32", r0 - first + half * 16), 16) + _ROW_LANES  # from `first`
@@ -178,6 +180,27 @@ def store_word_halves(dst, b, h, p, r0, words):
     for e, picks in enumerate((_LOW_HALVES, _HIGH_HALVES)):
         irb.buffer_store(dst, tirx.reinterpret("bfloat16x32", tirx.Shuffle(halves, picks)),
                          [b, h, p * 2 + e, tirx.Ramp(r0, 1, 32)])
+
+
+def fp32_column(src, b, h, r0, d, rows):
+    """src[b, h, r0 + r, d] of an fp32 `src`, rows r < 32, as two fp32x16 (`word_column`)."""
+    return [tirx.reinterpret("float32x16", w) for w in word_column(src, b, h, r0, d, rows)]
+
+
+# fp32 operands under torch's float32 matmul precision "high" (schedules/amx_forward.py's bf16x3
+# forward): x = hi + lo, hi x rounded to bf16 (to nearest even), lo the remainder (|lo| <= 2^-9
+# |x|, exact in fp32) rounded to bf16 (error <= 2^-18 |x|), and a product a . b as
+# hi.hi + hi.lo + lo.hi (avx512.SPLIT_SEGMENTS of them; the dropped lo.lo <= 2^-18 |a b|): ~16
+# mantissa bits, what torch documents for "high" on bf16 hardware. (hi truncated instead: lo up to
+# 2^-8 |x|, errors measured 4x larger.)
+def split_bf16(x):
+    """(hi, lo) of 16 fp32 lanes, both fp32: hi = x rounded to bf16 (its value exactly), lo =
+    x - hi (exact; the caller rounds it to bf16)."""
+    bits = tirx.reinterpret("uint32x16", x)
+    v16 = lambda c: tirx.Broadcast(_u32(c), 16)  # noqa: E731
+    rounded = bits + v16(0x7FFF) + ((bits >> v16(16)) & v16(1))
+    hi = tirx.reinterpret("float32x16", rounded & v16(0xFFFF0000))
+    return hi, x - hi
 
 
 def bf16_pairs(even, odd):

@@ -34,14 +34,17 @@ from __future__ import annotations
 
 from tvm import tirx
 from tvm.script import tirx as T
+from tvm.script.ir_builder import tirx as irb
 
 from ..spec import AttentionSpec
+from .avx512 import SPLIT_SEGMENTS
 from ..kernels.common import F32, LOG2E, NEG_INF, POS_INF, KernelArgs, Shape, fast_exp
 from ..kernels.dropout import Dropout
 from ..kernels.forward import declare_forward_args
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
-from .amx import (BF16, PAIR, TILES, MatrixUnit, amx_dropout_buffers, bf16_pairs, column_16, dropout_tile_16, exp2_16,
-                  stage_rows, store_bf16_row, store_word_halves, store_words, word_column)
+from .amx import (BF16, PAIR, TILES, MatrixUnit, _to_bf16, amx_dropout_buffers, bf16_pairs, column_16,
+                  dropout_tile_16, exp2_16, fp32_column, split_bf16, stage_rows, store_bf16_row, store_word_halves,
+                  store_words, word_column)
 
 LN2 = 0.6931471805599453
 NEG_INF16 = tirx.Broadcast(NEG_INF, 16)
@@ -50,6 +53,18 @@ NEG_INF16 = tirx.Broadcast(NEG_INF, 16)
 def amx_supported(spec: AttentionSpec) -> bool:
     """bf16 with head dims of multiples of 32."""
     return spec.dtype == BF16 and spec.head_dim % 32 == 0
+
+
+def bf16x3_supported(spec: AttentionSpec) -> bool:
+    """fp32 with head dims of multiples of 32: the bf16x3 forward (`forward_amx_kernel` on fp32
+    specs) for torch's float32 matmul precision "high"."""
+    return spec.dtype == F32 and spec.head_dim % 32 == 0 and not spec.kv_cache
+
+
+def segments_of(spec: AttentionSpec) -> int:
+    """Operand segments along each GEMM's contraction: 1 (bf16), `avx512.SPLIT_SEGMENTS` (fp32 as
+    bf16x3: A [hi | hi | lo] . B [hi; lo; hi])."""
+    return SPLIT_SEGMENTS if spec.dtype == F32 else 1
 
 
 def score_modifiers(spec: AttentionSpec) -> bool:
@@ -237,21 +252,35 @@ def _power(x, n: int):
     return x if n == 1 else x * _power(x, n - 1)
 
 
+def store_probabilities(pp, p, cols, even, odd, pairs: int, segments: int):
+    """P's key rows 2p, 2p + 1 (16 queries `cols`) as VNNI pairs of the P.V operand: one
+    segment, or `avx512.SPLIT_SEGMENTS` of `pairs` pair rows each, [hi; lo; hi] (the bf16x3
+    forward's B operand, against V^T's [hi | hi | lo])."""
+    if segments == 1:
+        irb.buffer_store(pp, bf16_pairs(even, odd), [p, cols])
+        return
+    (even_hi, even_lo), (odd_hi, odd_lo) = split_bf16(even), split_bf16(odd)
+    hi, lo = irb.bind(bf16_pairs(even_hi, odd_hi)), bf16_pairs(even_lo, odd_lo)
+    for segment, pairs_of in enumerate((hi, lo, hi)):
+        irb.buffer_store(pp, pairs_of, [p + segment * pairs, cols])
+
+
 @T.inline
-def softmax_pair(name, sT, src_scale, m, pp, ls, p, k0, seqlen_k, block_q, terms, zT, dropout):
+def softmax_pair(name, sT, src_scale, m, pp, ls, p, k0, seqlen_k, block_q, terms, zT, dropout, segments):
     """Key rows 2p and 2p + 1 of a kv block's S^T: P = 2^(s * src_scale - m) for 16 queries per
-    vector, written (times dropout's Z where `dropout`) as VNNI pairs of the P.V operand and
-    added to the row sums `ls`."""
+    vector, written (times dropout's Z where `dropout`) as VNNI pairs of the P.V operand (in
+    `segments`: `store_probabilities`) and added to the row sums `ls`."""
     with T.sblock(name):
         T.reads(sT[p * 2:p * 2 + 2, 0:block_q], m[0:block_q], ls[0:block_q], z_rows(zT, p * 2, 2, block_q, dropout))
-        T.writes(pp[p, 0:block_q], ls[0:block_q])
+        T.writes(pp[0:pp.shape[0], 0:block_q], ls[0:block_q])
         for ic in T.serial(block_q // 16):
             cols = T.meta_var(T.Ramp(ic * 16, 1, 16))
             # bound once (lets): LLVM does not merge the copies meta_vars would leave in the
             # branches it makes of the key checks
             e0 = probabilities(exponent(sT, src_scale, p * 2, cols, m[cols], terms), k0 + p * 2 < seqlen_k)
             e1 = probabilities(exponent(sT, src_scale, p * 2 + 1, cols, m[cols], terms), k0 + p * 2 + 1 < seqlen_k)
-            pp[p, cols] = bf16_pairs(dropped(e0, zT, p * 2, cols, dropout), dropped(e1, zT, p * 2 + 1, cols, dropout))
+            store_probabilities(pp, p, cols, dropped(e0, zT, p * 2, cols, dropout),
+                                dropped(e1, zT, p * 2 + 1, cols, dropout), pp.shape[0] // segments, segments)
             ls[cols] = ls[cols] + e0 + e1
 
 
@@ -263,26 +292,26 @@ def whole_squash(terms):
 
 @T.inline
 def softmax_rows(name, sT, src_scale, m, pp, ls, p0, pairs, k0, seqlen_k, block_q, terms, small_terms, whole, small,
-                 zT, dropout):
+                 zT, dropout, segments):
     """`softmax_pair` over key-row pairs [p0, p0 + pairs). A lone softcap's (`small_terms`) whole
     tiles take `odd_tanh` where `small_scores` set small[0] (0 on other tiles), else `tanh_16`;
     its other tiles are rewritten (modified, scaled) and take none of its terms."""
     if small_terms is None:
         for p in T.serial(pairs):
-            softmax_pair(name, sT, src_scale, m, pp, ls, p0 + p, k0, seqlen_k, block_q, terms, zT, dropout)
+            softmax_pair(name, sT, src_scale, m, pp, ls, p0 + p, k0, seqlen_k, block_q, terms, zT, dropout, segments)
     else:
         if small[0] > 0:
             for p in T.serial(pairs):
                 softmax_pair(name + "_small", sT, src_scale, m, pp, ls, p0 + p, k0, seqlen_k, block_q, small_terms,
-                             zT, dropout)
+                             zT, dropout, segments)
         elif whole:
             for p in T.serial(pairs):
                 softmax_pair(name, sT, src_scale, m, pp, ls, p0 + p, k0, seqlen_k, block_q, whole_squash(terms), zT,
-                             dropout)
+                             dropout, segments)
         else:
             for p in T.serial(pairs):
                 softmax_pair(name + "_rewritten", sT, src_scale, m, pp, ls, p0 + p, k0, seqlen_k, block_q, None, zT,
-                             dropout)
+                             dropout, segments)
 
 
 def chunked_softmax(score: ScorePipeline, has_mods: bool, dropout: bool, later, whole, split, terms):
@@ -383,10 +412,47 @@ def diagonal_walk(step, kb_lo, kb_hi, q0, seqlen_q, seqlen_k, block_q: int, bloc
 
 def store_output_row(o, row_at: list, accT, i, d0, inv_l, acc_row_bytes: int) -> None:
     """o[*row_at, d0 : d0 + 32] = accT[d0 : d0 + 32, i] * inv_l (= 1 / l_i): a row of the
-    output from a column of O^T, two gathers of 16 a store."""
+    output from a column of O^T, two gathers of 16 a store (two for an fp32 `o`)."""
     scale = tirx.Broadcast(inv_l, 16)
     lo, hi = (column_16(accT, [d0 + half * 16, i], acc_row_bytes) * scale for half in range(2))
-    store_bf16_row(o, [*row_at, d0], lo, hi)
+    if o.dtype == F32:
+        for half, x in enumerate((lo, hi)):
+            irb.buffer_store(o, x, [*row_at, tirx.Ramp(tirx.Cast("int64", d0 + half * 16), tirx.const(1, "int64"), 16)])
+    else:
+        store_bf16_row(o, [*row_at, d0], lo, hi)
+
+
+def store_split_row(dst, row_at: list, src, c0, head_dim: int, keep) -> None:
+    """dst[*row_at, :3 head_dim] (bf16) <- [hi | hi | lo] of src's 32 fp32 at column c0 (0
+    where not `keep`), at c0, head_dim + c0 and 2 head_dim + c0: a bf16x3 A operand's row."""
+    zero = tirx.Broadcast(tirx.const(0.0, F32), 16)
+    *prefix, _ = src.indices
+    halves = [split_bf16(tirx.Select(keep, tirx.BufferLoad(src.source, [*prefix, tirx.Ramp(c0 + 16 * h, 1, 16)]),
+                                     zero)) for h in range(2)]
+    hi, lo = (irb.bind(_to_bf16(halves[0][x], halves[1][x])) for x in range(2))
+    for segment, words in enumerate((hi, hi, lo)):
+        irb.buffer_store(dst, tirx.reinterpret("bfloat16x32", words),
+                         [*row_at, tirx.Ramp(tirx.Cast("int64", segment * head_dim + c0), tirx.const(1, "int64"), 32)])
+
+
+def store_split_column(dst, row_at: list, col, block_k: int, column) -> None:
+    """dst[*row_at, col + s block_k : .. + 32] <- segment s of [hi | hi | lo] of 32 fp32
+    (`column`: two fp32x16), a bf16x3 V^T row's 32 keys in each of their block's segments."""
+    halves = [split_bf16(x) for x in column]
+    hi, lo = (irb.bind(_to_bf16(halves[0][x], halves[1][x])) for x in range(2))
+    for segment, words in enumerate((hi, hi, lo)):
+        irb.buffer_store(dst, tirx.reinterpret("bfloat16x32", words),
+                         [*row_at, tirx.Ramp(tirx.Cast("int64", col + segment * block_k), tirx.const(1, "int64"), 32)])
+
+
+def store_split_pairs(qp, p, c0, pairs: int, even, odd) -> None:
+    """qp[p + s pairs, c0 : c0 + 32] <- segment s of [hi; lo; hi] of 32 columns' (even, odd)
+    fp32 rows (each two fp32x16): a bf16x3 B operand's pair rows."""
+    parts = [[split_bf16(x) for x in row] for row in (even, odd)]  # [row][half] -> (hi, lo)
+    for segment, part in enumerate((0, 1, 0)):
+        for half in range(2):
+            irb.buffer_store(qp, bf16_pairs(parts[0][half][part], parts[1][half][part]),
+                             [p + segment * pairs, tirx.Ramp(c0 + half * 16, 1, 16)])
 
 
 def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int, with_k: bool = True) -> tirx.PrimFunc:
@@ -438,12 +504,67 @@ def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int, with_k: bool = Tru
     return pack.with_attr("global_symbol", "forward_pack" if with_k else "forward_pack_vt")
 
 
+def forward_bf16x3_pack_kernel(spec: AttentionSpec, kv_pad: int, block_k: int) -> tirx.PrimFunc:
+    """The bf16x3 forward's operands from fp32 K and V (`forward_pack_bf16x3` (k, v, kp, vt)):
+    kp[b, h, j] = K's row j as [hi | hi | lo] (3 head_dim bf16), vt[b, h, d] = V^T's row d with
+    each kv block's `block_k` keys as three segments [hi | hi | lo] (block kb's segment s at
+    columns 3 kb block_k + s block_k ..), so that both GEMMs take their contraction 3x as long in
+    one pass; 0 past Lk, lengths padded to a multiple of `kv_pad`."""
+    D = spec.head_dim
+    shape = Shape.fresh()
+    B, HK, LK = shape.batch, shape.heads_k, shape.seqlen_k
+    LKP = tirx.Var("seqlen_k_padded", "int64")
+    args = KernelArgs()
+    CH = 32  # keys per task
+    assert kv_pad % block_k == 0 and block_k % CH == 0 and D % 32 == 0
+
+    def declare():
+        k = args.tensor("k", (B, HK, LK, D), F32)
+        v = args.tensor("v", (B, HK, LK, D), F32)
+        kp = args.tensor("kp", (B, HK, LKP, SPLIT_SEGMENTS * D), BF16)
+        vt = args.tensor("vt", (B, HK, D, SPLIT_SEGMENTS * LKP), BF16)
+        return k, v, kp, vt
+
+    @T.prim_func(s_tir=True)
+    def pack():
+        T.func_attr({"tirx.noalias": True})
+        K, V, KP, VT = T.meta_var(declare())
+        NCH = T.meta_var(LKP // CH)
+        for t in T.parallel(B * HK * NCH):
+            with T.sblock("tile"):
+                vb = T.axis.spatial(B, t // (HK * NCH))
+                vh = T.axis.spatial(HK, t // NCH % HK)
+                vc = T.axis.spatial(NCH, t % NCH)
+                j0 = T.meta_var(vc * CH)
+                for j, c in T.grid(CH, D // 32):
+                    with T.sblock("pack_k_split"):
+                        vj, vcc = T.axis.remap("SS", [j, c])
+                        T.reads(K[vb, vh, T.min(j0 + vj, LK - 1), vcc * 32:vcc * 32 + 32])
+                        T.writes(KP[vb, vh, j0 + vj, 0:SPLIT_SEGMENTS * D])
+                        store_split_row(KP, [vb, vh, j0 + vj], K[vb, vh, T.min(j0 + vj, LK - 1), vcc * 32], vcc * 32,
+                                        D, j0 + vj < LK)
+                # the chunk's columns in its kv block's segments
+                col = T.meta_var(j0 // block_k * (SPLIT_SEGMENTS * block_k) + j0 % block_k)
+                for d in T.serial(D):
+                    with T.sblock("pack_vt_split"):
+                        vd = T.axis.remap("S", [d])
+                        T.reads(V[vb, vh, 0:LK, vd])
+                        T.writes(VT[vb, vh, vd, 0:SPLIT_SEGMENTS * LKP])
+                        store_split_column(VT, [vb, vh, vd], col, block_k, fp32_column(V, vb, vh, j0, vd, LK))
+
+    return pack.with_attr("global_symbol", "forward_pack_bf16x3")
+
+
 def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: int,
                        name: str = "forward", unit: MatrixUnit = TILES) -> tirx.PrimFunc:
     """`kv_pad`: the packed K / V^T length is a multiple of it (block_k must divide it); `name`
-    the module function; `unit` what its GEMMs run on (amx.TILES or amx.PAIR_DOTS)."""
-    assert amx_supported(spec) and block_q % 32 == 0 and block_k % 32 == 0 and kv_pad % block_k == 0
+    the module function; `unit` what its GEMMs run on (amx.TILES or amx.PAIR_DOTS). An fp32
+    spec gives the bf16x3 forward: its packs from `forward_bf16x3_pack_kernel`, Q's pairs and P
+    split likewise (`segments_of`), the GEMMs' contractions 3x as long, fp32 outputs."""
+    assert (amx_supported(spec) or bf16x3_supported(spec)) and block_q % 32 == 0 and block_k % 32 == 0
+    assert kv_pad % block_k == 0
     D, BQ, BK = spec.head_dim, block_q, block_k
+    SEG = segments_of(spec)
     ROW = BQ + ROW_PAD  # row length of the tile operands built here (qp, sT, pp, accT)
     shape = Shape.fresh()
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
@@ -456,8 +577,8 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
 
     def declare():
         q, k, v, o, lse, scale, score = declare_forward_args(spec, shape)
-        kp = packed.tensor("kp", (B, HK, LKP, D), BF16)
-        vt = packed.tensor("vt", (B, HK, D, LKP), BF16)
+        kp = packed.tensor("kp", (B, HK, LKP, SEG * D), BF16)
+        vt = packed.tensor("vt", (B, HK, D, SEG * LKP), BF16)
         return q, o, lse, scale, score, kp, vt
 
     @T.prim_func(s_tir=True)
@@ -472,13 +593,13 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                 vh = T.axis.spatial(H, t // NQB % H)
                 vqb = T.axis.spatial(NQB, t % NQB)
                 cfg = T.sblock_alloc_buffer((64,), "uint8")
-                qp = T.sblock_alloc_buffer((D // 2, ROW), PAIR)
+                qp = T.sblock_alloc_buffer((SEG * D // 2, ROW), PAIR)
                 m = T.sblock_alloc_buffer((BQ,), F32)  # running max, log2 units
                 l = T.sblock_alloc_buffer((BQ,), F32)
                 inv = T.sblock_alloc_buffer((BQ,), F32)  # 1 / l (0 for fully masked rows)
                 accT = T.sblock_alloc_buffer((D, ROW), F32)
                 sT = T.sblock_alloc_buffer((BK, ROW), F32)  # a kv block's S^T (modified in place)
-                pp = T.sblock_alloc_buffer((BK // 2, ROW), PAIR)
+                pp = T.sblock_alloc_buffer((SEG * PAIRS, ROW), PAIR)
                 walk = T.sblock_alloc_buffer((1,), "int64")  # the kv block a step visits (diagonal_walk)
                 vhk = T.meta_var(vh // (H // HK))
                 q0 = T.meta_var(vqb * BQ)
@@ -488,8 +609,12 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                     with T.sblock("pack_q"):
                         vp, vc = T.axis.remap("SS", [p, c])
                         T.reads(Q[vb, vh, 0:LQ, vp * 2:vp * 2 + 2])
-                        T.writes(qp[vp, vc * 32:vc * 32 + 32])
-                        store_words(qp, [vp], vc * 32, word_column(Q, vb, vh, q0 + vc * 32, vp, LQ))
+                        T.writes(qp[0:SEG * D // 2, vc * 32:vc * 32 + 32])
+                        if SEG == 1:
+                            store_words(qp, [vp], vc * 32, word_column(Q, vb, vh, q0 + vc * 32, vp, LQ))
+                        else:
+                            store_split_pairs(qp, vp, vc * 32, D // 2, fp32_column(Q, vb, vh, q0 + vc * 32, vp * 2, LQ),
+                                              fp32_column(Q, vb, vh, q0 + vc * 32, vp * 2 + 1, LQ))
                 for i in T.serial(BQ):
                     with T.sblock("init_ml"):
                         vi = T.axis.remap("S", [i])
@@ -506,8 +631,8 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         vr, vi = T.axis.remap("SS", [r, i])
                         accT[vr, BQ + vi] = T.float32(0)
                         sT[vr % BK, BQ + vi] = T.float32(0)
-                        qp[vr % (D // 2), BQ + vi] = T.uint32(0)
-                        pp[vr % (BK // 2), BQ + vi] = T.uint32(0)
+                        qp[vr % (SEG * D // 2), BQ + vi] = T.uint32(0)
+                        pp[vr % (SEG * PAIRS), BQ + vi] = T.uint32(0)
                 for kb in T.serial(kb_lo, kb_hi):
                     with T.sblock("kv_step"):
                         vkb = T.axis.opaque((LK + BK - 1) // BK, kb)
@@ -552,15 +677,15 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         chunked = T.meta_var(chunked_softmax(score, has_mods, dropout, vkb > kb_lo, whole, split, terms))
                         if chunked:  # S^T 32 keys at a time, each chunk's P taken while it is in L1
                             for c in T.serial(BK // 32):
-                                qk_rows(unit, "qk_chunk", sT, KP, qp, vb, vhk, k0, c * 32, 32, D, BQ, kp_row, ROW * 4)
+                                qk_rows(unit, "qk_chunk", sT, KP, qp, vb, vhk, k0, c * 32, 32, SEG * D, BQ, kp_row, ROW * 4)
                                 if small_terms is not None:  # a softcap's chunk of small scores: odd_tanh
                                     small_scores(sT, bound, small, c * 32, 32, BQ, squash_limit)
                                     with T.sblock("small_tile"):
                                         small_tile[0] = T.Select(c == 0, small[0], T.min(small_tile[0], small[0]))
                                 softmax_rows("softmax_chunk", sT, src_scale, m, pp, ls, c * 16, 16, k0, LK, BQ, terms,
-                                             small_terms, whole, small, zT, False)
+                                             small_terms, whole, small, zT, False, SEG)
                         else:
-                            qk_rows(unit, "qk_amx", sT, KP, qp, vb, vhk, k0, 0, BK, D, BQ, kp_row, ROW * 4)  # S^T = K . Q^T
+                            qk_rows(unit, "qk_amx", sT, KP, qp, vb, vhk, k0, 0, BK, SEG * D, BQ, kp_row, ROW * 4)  # S^T = K . Q^T
                             if small_terms is not None:
                                 if whole:
                                     small_scores(sT, bound, small_tile, 0, BK, BQ, squash_limit)
@@ -586,7 +711,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                                                       ScoreIndex(vb, vh, q0 + vi, k0 + vj), False)
                         if vkb > kb_lo and not chunked:  # P with the running max m (the first block sets m)
                             softmax_rows("softmax_pack", sT, src_scale, m, pp, ls, 0, PAIRS, k0, LK, BQ, terms, small_terms,
-                                         whole, small_tile, zT, dropout)
+                                         whole, small_tile, zT, dropout, SEG)
                         # m must move if an exponent passed GROW; then some row sum passed 2^GROW
                         with T.sblock("init_grow"):
                             grow[0] = T.Select(vkb == kb_lo, 1, 0)
@@ -616,7 +741,7 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                             vd, vi = T.axis.remap("SS", [d, i])
                                             accT[vd, vi] = accT[vd, vi] * alpha[vi]
                             softmax_rows("softmax_redo", sT, src_scale, m, pp, ls, 0, PAIRS, k0, LK, BQ, terms, small_terms,
-                                         whole, small_tile, zT, dropout)
+                                         whole, small_tile, zT, dropout, SEG)
                         for i in T.serial(BQ):
                             with T.sblock("l_update"):
                                 vi = T.axis.remap("S", [i])
@@ -626,10 +751,11 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         # column of it does (dev box, AMX, same process: L = 1024 / 4096 forward
                         # 1.02-1.08x faster than walking P^T again for each 32 head dims)
                         with T.sblock("pv_amx"):
-                            T.reads(VT[vb, vhk, 0:D, k0:k0 + BK], pp[0:BK // 2, 0:BQ], accT[0:D, 0:BQ], cfg[0:64])
+                            T.reads(VT[vb, vhk, 0:D, SEG * k0:SEG * (k0 + BK)], pp[0:SEG * PAIRS, 0:BQ], accT[0:D, 0:BQ],
+                                    cfg[0:64])
                             T.writes(accT[0:D, 0:BQ])
-                            unit.gemm(lambda r, c: accT[r, c], ROW * 4, lambda r, c: VT[vb, vhk, r, k0 + c], vt_row,
-                                      lambda r, c: pp[r, c], ROW * 4, D, BQ, BK, True, "a")
+                            unit.gemm(lambda r, c: accT[r, c], ROW * 4, lambda r, c: VT[vb, vhk, r, SEG * k0 + c], vt_row,
+                                      lambda r, c: pp[r, c], ROW * 4, D, BQ, SEG * BK, True, "a")
                 unit.release()
                 for i in T.serial(BQ):
                     with T.sblock("store_lse"):

@@ -12,6 +12,9 @@ vector length, the extra AMX-side blocks and the knob defaults differ. Knobs (na
 
     block_q, block_k           forward generator parameters (AMX: multiples of 32 dividing AMX_KV_PAD)
     long_block_q               the AMX forward's block_q for long keys (`forward_long`, see AMX_LONG_KV_BYTES)
+    bf16x3_block_q, bf16x3_block_k, bf16x3_long_block_q
+                               the same for fp32 specs' bf16x3 forward (`forward_bf16x3`,
+                               `forward_bf16x3_long`: torch's float32 matmul precision "high")
     bwd_block_q, bwd_block_k   the backward's
     <kernel>.<matmul>.rows     register-tile rows of each FMA matmul block
     <kernel>.<matmul>.vecs     zmm vectors per register-tile row
@@ -47,12 +50,14 @@ AMX_KV_PAD = 256  # packed K / V^T rows per (batch, kv-head) are a multiple of t
 # bf16, 256-key blocks, same process: L = 2048 D = 128 (1 MiB) 1.07-1.11x faster with 256-row
 # q-blocks, L = 4096 1.09-1.13x; below, 64 rows are as fast or faster: L = 1024 D = 64 1.06x.)
 AMX_LONG_KV_BYTES = 1 << 20
+SPLIT_SEGMENTS = 3  # an fp32 operand's bf16 segments in the bf16x3 forward ([hi | hi | lo]: amx.split_bf16)
 AMX_LONG_MIN_QUERIES = 256  # fewer queries (chunked prefill on a long cache) would mostly fill
 # `forward_long`'s q-blocks with padding rows, whose tile work costs as much as real ones
 
 # 32 zmm registers: register tiles of up to 8 x 2 (or 4 x 4) accumulators
 DEFAULTS = {
     "block_q": 64, "block_k": 64, "long_block_q": 256, "bwd_block_q": 64, "bwd_block_k": 64,
+    "bf16x3_block_q": 64, "bf16x3_block_k": 128, "bf16x3_long_block_q": 256,
     **{f"{k}.{m}.rows": 8 for k, m in (("forward", "qk"), ("forward", "pv"), ("backward_dq", "qk"),
                                       ("backward_dq", "dp"), ("backward_dq", "dq"))},
     **{f"{k}.{m}.rows": 8 for k in ("backward_dkdv", "backward_fused") for m in ("qk", "dp", "dv", "dk", "dq")},
@@ -88,6 +93,18 @@ def bf16_unit(target: dict):
     return None
 
 
+def bf16x3_unit(target: dict):
+    """What an fp32 spec's bf16x3 forward runs on for `target` (None: the module has none):
+    AMX tiles, or `vdpbf16ps` where the target names +avx512bf16 (the test and A/B target
+    AVX512_BF16_TARGET). Not on Zen hosts: pair dots take three products where an FMA takes one
+    of the two, so their fp32 FMAs are as fast."""
+    from .amx import PAIR_DOTS, TILES
+
+    if has_amx(target):
+        return TILES
+    return PAIR_DOTS if "+avx512bf16" in target.get("mattr", []) else None
+
+
 def takes_pair_dots(target: dict) -> bool:
     """Whether the split-KV decode's bf16 products run on `vdpbf16ps` (PAIR_DOT_CPUS)."""
     return target.get("mcpu") in PAIR_DOT_CPUS
@@ -98,7 +115,8 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
     from .amx_backward import backward_amx_kernel, backward_amx_pack_kernel
     from .amx_decode import decode_amx_kernel
     from .amx import PAIR_DOT
-    from .amx_forward import amx_supported, forward_amx_kernel, forward_amx_pack_kernel
+    from .amx_forward import (amx_supported, bf16x3_supported, forward_amx_kernel, forward_amx_pack_kernel,
+                              forward_bf16x3_pack_kernel)
 
     funcs = host.kernels(spec, target, knobs, PAIR_DOT if takes_pair_dots(target) else None)
     if has_amx(target) and amx_supported(spec):  # the split-KV forward of more rows a kv-head
@@ -117,6 +135,13 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
             funcs[f"backward_{plan}"] = backward_amx_kernel(spec, knobs["bwd_block_q"], knobs["bwd_block_k"], plan,
                                                             unit)
         funcs["backward_pack"] = backward_amx_pack_kernel(spec, AMX_KV_PAD)
+    unit = bf16x3_unit(target)
+    if unit is not None and bf16x3_supported(spec):
+        bq, bk, long_bq = (knobs[f"bf16x3_{k}"] for k in ("block_q", "block_k", "long_block_q"))
+        funcs["forward_bf16x3"] = forward_amx_kernel(spec, bq, bk, AMX_KV_PAD, "forward_bf16x3", unit)
+        if long_bq != bq:
+            funcs["forward_bf16x3_long"] = forward_amx_kernel(spec, long_bq, bk, AMX_KV_PAD, "forward_bf16x3_long", unit)
+        funcs["forward_pack_bf16x3"] = forward_bf16x3_pack_kernel(spec, AMX_KV_PAD, bk)
     return funcs
 
 

@@ -56,6 +56,20 @@ def test_asm_bf16_forward_runs_on_amx_tiles():
         assert "vgatherdps" in fwd and fwd.count("vdivps") <= 16
 
 
+def test_asm_fp32_high_precision_forward_runs_on_amx_tiles():
+    """fp32 modules for AMX hold the bf16x3 forward (torch's float32 matmul precision "high"):
+    both its forwards on tiles, fp32 outputs stored whole; its pack splits with the bf16
+    conversion (`vcvtne2ps2bf16`) and gathers V's columns."""
+    asm = spr_asm(AttentionSpec("float32", 128, causal="bottom_right"))
+    for name in ("forward_bf16x3", "forward_bf16x3_long"):
+        fwd = asm[name]
+        assert "ldtilecfg" in fwd and fwd.count("tdpbf16ps") >= 8 and "vcvtne2ps2bf16" in fwd
+    pack = asm["forward_pack_bf16x3"]
+    assert "vcvtne2ps2bf16" in pack and ("vgatherdps" in pack or "vpgatherdd" in pack)
+    assert "tdpbf16ps" not in asm["forward"]  # the default precision's forward: fp32 FMAs
+    assert "vfmadd" in asm["forward"]
+
+
 def test_asm_amx_transposing_packs_gather_words():
     """The packs that transpose (V^T, K^T, the Q / dO pairs; Q's pairs inside the forward)
     gather 32-bit words (`vpgatherdd`, amx.word_column), not 16-bit elements one by one."""
@@ -330,6 +344,91 @@ def test_bf16_forward_reads_whole_keys_in_place(bf16_unit):
     kp = ops._amx_packs(kernels, k, v)[0]
     assert kp is not k and kp.stride(2) == 128 and torch.equal(kp, k)
     check_against_reference(q, k, v, dout, flash_run(True), causal="bottom_right")
+
+
+@pytest.fixture
+def precision_high():
+    """torch.set_float32_matmul_precision("high") for one test: fp32 forwards on the bf16x3
+    kernel where the module has it."""
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    yield
+    torch.set_float32_matmul_precision(old)
+
+
+# the bf16x3 forward's error budget (absolute, on outputs and lse of unit-variance inputs): its
+# products carry ~17 mantissa bits (measured 2e-6 .. 3e-5 here), bf16's 8 (5e-3 .. 2e-2 on these
+# shapes: a forward that dropped the lo terms would fail), fp32 FMAs' 24 (1e-7 .. 1e-6)
+HIGH_BUDGET = 2e-4
+
+
+def check_high_precision(q, k, v, dout, run, monkeypatch, causal="none", mask=None, **variant):
+    """An fp32 call under precision "high" takes the bf16x3 forward (its packs are called) and
+    matches the float64 reference within HIGH_BUDGET (out, lse) and, relative to their size,
+    2 HIGH_BUDGET (gradients: the backward is the fp32 one, on the forward's lse)."""
+    from tvmflash import ops
+    from tvmflash.reference import attention
+
+    packs = []
+    real_packs = ops._bf16x3_packs
+    monkeypatch.setattr(ops, "_bf16x3_packs", lambda *a: packs.append(1) or real_packs(*a))
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out, lse = run(*leaves)
+    assert packs, "the bf16x3 forward did not run"
+    out.backward(dout)
+    xs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    o64, l64 = attention(*xs, causal=causal, mask=mask, **variant)
+    o64.backward(dout.double())
+    assert (out.double() - o64).abs().max().item() <= HIGH_BUDGET
+    assert torch.equal(lse.isinf(), l64.isinf())
+    fin = ~l64.isinf()
+    assert not fin.any() or (lse.double()[fin] - l64[fin]).abs().max().item() <= HIGH_BUDGET
+    for name, ours, ref in zip(("dq", "dk", "dv"), (x.grad for x in leaves), (x.grad for x in xs)):
+        err = (ours.double() - ref).abs().max().item()
+        assert err <= 2 * HIGH_BUDGET * (1 + ref.abs().max().item()), f"{name}: {err:.3g}"
+
+
+@pytest.mark.parametrize("d,causal", [(64, False), (128, True)], ids=str)
+@pytest.mark.parametrize("lq,lk", [s for s in SHAPES if s[0] > 16] + [(300, 2100)], ids=str)
+def test_fp32_high_precision_forward(d, causal, lq, lk, bf16_unit, precision_high, monkeypatch):
+    """fp32 under torch's float32 matmul precision "high": the bf16x3 forward (schedules/
+    amx_forward.py, fp32 specs) on both matrix units; GQA, strided (B, L, H, D) views, causal
+    with Lq != Lk and fully masked rows, 300 x 2100 on `forward_bf16x3_long`. (Decode-like
+    calls, Lq <= host.SPLIT_MAX_Q, keep the split-KV FMA kernels: memory-bound.)"""
+    h, hk = [(4, 2), (6, 1), (3, 3)][(lq + d) % 3]
+    q, k, v, dout = make(2, h, hk, lq, lk, d, torch.float32, seed=lq * lk)
+    check_high_precision(q, k, v, dout, flash_run(causal), monkeypatch, causal="bottom_right" if causal else "none")
+
+
+def test_fp32_high_precision_mask_and_variants(bf16_unit, precision_high, monkeypatch):
+    """The bf16x3 forward through the score pipeline: a boolean mask with fully masked rows;
+    causal + window + softcap + ALiBi with GQA."""
+    b, h, lq, lk = 2, 3, 113, 203
+    q, k, v, dout = make(b, h, h, lq, lk, 64, torch.float32, seed=3)
+    mask = masks("bool", b, h, lq, lk, torch.float32)[0]
+
+    def masked(q, k, v):
+        out = tvmflash.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out, torch.ops.tvmflash.attention_forward(q, k, v, mask, 64 ** -0.5, "none")[1]
+    check_high_precision(q, k, v, dout, masked, monkeypatch, mask=mask)
+    q, k, v, dout = make(1, 4, 2, 300, 700, 64, torch.float32, seed=4)
+    slopes = alibi("h", 1, 4)
+    run = flash_variant_run(True, window_size=(96, 0), softcap=5.0, alibi_slopes=slopes)
+    check_high_precision(q, k, v, dout, run, monkeypatch, causal="bottom_right", window=(96, 0), softcap=5.0,
+                         alibi_slopes=slopes)
+
+
+def test_fp32_highest_precision_keeps_fma_kernels(bf16_unit):
+    """The default precision ("highest") never takes the bf16x3 forward; fp32 modules hold it
+    only for AMX targets and the avx512_bf16 test target (Zen hosts' pair dots would be slower
+    than their FMAs)."""
+    from tvmflash import ops
+
+    kernels = ops._kernels(AttentionSpec("float32", 64), torch.device("cpu"))
+    assert "forward_bf16x3" in kernels and "forward_bf16x3_long" in kernels
+    q = torch.empty(1, 1, 1, 64)
+    assert torch.get_float32_matmul_precision() == "highest" and not ops._takes_bf16x3(kernels, q)
+    assert not ops._takes_bf16x3(kernels, q.bfloat16())
 
 
 # (causal, softcap, ALiBi slopes' kind) of test_bf16_variants (scripts/device_prebuild_cpu.py builds them)

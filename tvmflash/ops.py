@@ -236,26 +236,40 @@ def _forward(q, k, v, mask, scale, causal, window=(-1, -1), softcap=0.0, alibi_s
         _forward_split(kern, q, k, v, out, lse, scale, mod_args)
         return out, lse
     with _on_stream(q.device):
-        name = _forward_kernel_name(kern, q, k, window, causal != "none")
-        kern[name](q, k, v, out, lse, scale, *mod_args, *_amx_packs(kern, k, v))
+        if _takes_bf16x3(kern, q):
+            name = _forward_kernel_name(kern, q, k, family="forward_bf16x3")
+            kern[name](q, k, v, out, lse, scale, *mod_args, *_bf16x3_packs(kern, k, v))
+        else:
+            name = _forward_kernel_name(kern, q, k, window, causal != "none")
+            kern[name](q, k, v, out, lse, scale, *mod_args, *_amx_packs(kern, k, v))
     return out, lse
 
 
+def _takes_bf16x3(kern: dict, q: torch.Tensor) -> bool:
+    """Whether an fp32 forward runs as bf16x3 (schedules/amx_forward.py: each fp32 operand as two
+    bf16, three products a product, ~16 mantissa bits): where the module has that kernel (AMX
+    CPUs) and torch's float32 matmul precision is "high" or "medium"
+    (torch.set_float32_matmul_precision: "high" allows "the sum of two bfloat16 numbers"; the
+    default "highest" keeps the fp32 FMA kernels)."""
+    return q.dtype == torch.float32 and "forward_bf16x3" in kern and torch.get_float32_matmul_precision() != "highest"
+
+
 def _forward_kernel_name(kern: dict, q: torch.Tensor, k: torch.Tensor, window: tuple = (-1, -1),
-                         causal: bool = False) -> str:
+                         causal: bool = False, family: str = "forward") -> str:
     """CUDA: "forward_short" for short sliding windows where the module has it
-    (schedules/cuda_kernels.py). CPU: "forward_long" (AMX: taller q-blocks) where a kv-head's
-    packed K and V^T outgrow a core's L2 and there are queries enough to fill its q-blocks.
-    Else "forward"."""
+    (schedules/cuda_kernels.py). CPU: "<family>_long" (AMX: taller q-blocks) where a kv-head's
+    packed K and V^T outgrow a core's L2 and there are queries enough to fill its q-blocks
+    (`family` "forward_bf16x3": the fp32 packs, three bf16 a value). Else `family`."""
     if "forward_short" in kern:
         return _cuda_forward_name(window, causal)
-    if "forward_long" not in kern:
-        return "forward"
-    from .schedules.avx512 import AMX_KV_PAD, AMX_LONG_KV_BYTES, AMX_LONG_MIN_QUERIES
+    if f"{family}_long" not in kern:
+        return family
+    from .schedules.avx512 import AMX_KV_PAD, AMX_LONG_KV_BYTES, AMX_LONG_MIN_QUERIES, SPLIT_SEGMENTS
 
-    pack_bytes = 2 * _amx_padded(k.shape[2], AMX_KV_PAD) * k.shape[3] * k.element_size()
+    pack_element_bytes = 2 * SPLIT_SEGMENTS if family == "forward_bf16x3" else k.element_size()
+    pack_bytes = 2 * _amx_padded(k.shape[2], AMX_KV_PAD) * k.shape[3] * pack_element_bytes
     long_keys = pack_bytes >= AMX_LONG_KV_BYTES
-    return "forward_long" if long_keys and q.shape[2] >= AMX_LONG_MIN_QUERIES else "forward"
+    return f"{family}_long" if long_keys and q.shape[2] >= AMX_LONG_MIN_QUERIES else family
 
 
 # A sliding window whose q-blocks see at most this many keys on both sides together (left +
@@ -551,6 +565,20 @@ def _amx_packs(kern: dict, k: torch.Tensor, v: torch.Tensor) -> tuple:
         return k, vt
     kp = _scratch("kp", (B, Hk, Lp, D), k.dtype)
     kern["forward_pack"](k, v, kp, vt)
+    return kp, vt
+
+
+def _bf16x3_packs(kern: dict, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """The bf16x3 forward's operands from fp32 K and V (amx_forward.forward_bf16x3_pack_kernel):
+    K's rows as [hi | hi | lo], V^T's rows as each kv block's [hi | hi | lo]."""
+    from .schedules.avx512 import AMX_KV_PAD as pad
+    from .schedules.avx512 import SPLIT_SEGMENTS as S
+
+    B, Hk, Lk, D = k.shape
+    Lp = _amx_padded(Lk, pad)
+    kp = _scratch("kp_bf16x3", (B, Hk, Lp, S * D), torch.bfloat16)
+    vt = _scratch("vt_bf16x3", (B, Hk, D, S * Lp), torch.bfloat16, tile_rows=True)
+    kern["forward_pack_bf16x3"](k, v, kp, vt)
     return kp, vt
 
 
