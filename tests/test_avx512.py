@@ -400,9 +400,15 @@ def test_fp32_high_precision_forward(d, causal, lq, lk, bf16_unit, precision_hig
     check_high_precision(q, k, v, dout, flash_run(causal), monkeypatch, causal="bottom_right" if causal else "none")
 
 
+# the spec of test_fp32_high_precision_mask_and_variants' variants (scripts/device_prebuild_cpu.py)
+HIGH_VARIANT_SPEC = AttentionSpec("float32", 64, causal="bottom_right", variants=("softcap", "alibi", "window"))
+
+
 def test_fp32_high_precision_mask_and_variants(bf16_unit, precision_high, monkeypatch):
     """The bf16x3 forward through the score pipeline: a boolean mask with fully masked rows;
     causal + window + softcap + ALiBi with GQA."""
+    from tvmflash import ops
+
     b, h, lq, lk = 2, 3, 113, 203
     q, k, v, dout = make(b, h, h, lq, lk, 64, torch.float32, seed=3)
     mask = masks("bool", b, h, lq, lk, torch.float32)[0]
@@ -413,6 +419,7 @@ def test_fp32_high_precision_mask_and_variants(bf16_unit, precision_high, monkey
     check_high_precision(q, k, v, dout, masked, monkeypatch, mask=mask)
     q, k, v, dout = make(1, 4, 2, 300, 700, 64, torch.float32, seed=4)
     slopes = alibi("h", 1, 4)
+    assert ops.spec_for(q, None, "bottom_right", (96, 0), 5.0, slopes, 0.0) == HIGH_VARIANT_SPEC
     run = flash_variant_run(True, window_size=(96, 0), softcap=5.0, alibi_slopes=slopes)
     check_high_precision(q, k, v, dout, run, monkeypatch, causal="bottom_right", window=(96, 0), softcap=5.0,
                          alibi_slopes=slopes)

@@ -27,6 +27,7 @@ Protocol
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import math
@@ -265,6 +266,7 @@ def _bench_point(
         "head_dim": head_dim,
         "causal": causal,
         "threads": torch.get_num_threads(),
+        "fp32_matmul_precision": torch.get_float32_matmul_precision(),
         "rounds": rounds,
         "iters": n_iters,
         "gflop_fwd": gflop_fwd,
@@ -289,12 +291,16 @@ def run(
     iters: int | None = None,
     warmup: int = 2,
     backward: bool = True,
+    fp32_precision: str | None = None,
     console: Console | None = None,
 ) -> list[dict]:
     """Benchmark every (dtype, causal, head_dim, seqlen) point; one result dict per point.
     With ``backward=False`` only the forward is timed (bwd fields are None); ``seqlen_q`` fixes
     the query length (decode: 1) while ``seqlens`` sets the key length. ``batch``/``heads``
     None follow DESIGN.md's protocol: on CPU B=1, H=16; on CUDA B=16384/L, H=2048/D.
+    ``fp32_precision`` ("highest", "high", "medium"): torch's float32 matmul precision during
+    the run, for both sides (fp32 forwards on AMX CPUs take the bf16x3 kernel below "highest";
+    each row records it).
 
     Progress goes to ``console`` (stderr by default).
     """
@@ -309,6 +315,23 @@ def run(
         raise ValueError(f"unknown dtype(s) {sorted(unknown)}; choose from {list(DTYPES)}")
 
     points = list(product(dtypes, causal, head_dims, seqlens))
+    with float32_matmul_precision(fp32_precision):
+        return _run_points(points, device, seqlen_q, batch, heads, rounds, iters, warmup, backward, console)
+
+
+@contextlib.contextmanager
+def float32_matmul_precision(precision: str | None):
+    """torch.set_float32_matmul_precision(precision) inside (None: as it is)."""
+    old = torch.get_float32_matmul_precision()
+    if precision is not None:
+        torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def _run_points(points, device, seqlen_q, batch, heads, rounds, iters, warmup, backward, console) -> list[dict]:
     rows = []
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console or Console(stderr=True)) as progress:
@@ -347,16 +370,19 @@ def run(
 
 def cpu_report(out_dir: str | Path, tag: str, rounds: int = 5, long_seqlen: int = 16384) -> list[Path]:
     """The CPU grid of DESIGN.md / issue 4 (B=1, H=16; fp32 and bf16; D {64, 128}; L {1024, 4096};
-    forward and backward), then forward only at L=``long_seqlen`` and decode (Lq=1, Lk {4096,
-    ``long_seqlen``}): ``<tag>.json``, ``<tag>-long.json``, ``<tag>-decode.json`` (+ PNGs)."""
+    forward and backward), its fp32 points again under torch's float32 matmul precision "high"
+    (both sides; ours: the bf16x3 forward on AMX), then forward only at L=``long_seqlen`` and
+    decode (Lq=1, Lk {4096, ``long_seqlen``}): ``<tag>.json``, ``<tag>-fp32-high.json``,
+    ``<tag>-long.json``, ``<tag>-decode.json`` (+ PNGs)."""
     parts = [
         ("", dict(seqlens=[1024, 4096], backward=True, rounds=rounds)),
+        ("-fp32-high", dict(dtypes=["fp32"], seqlens=[1024, 4096], backward=True, rounds=rounds, fp32_precision="high")),
         ("-long", dict(seqlens=[long_seqlen], backward=False, rounds=max(2, rounds // 2), warmup=1)),
         ("-decode", dict(seqlens=[4096, long_seqlen], seqlen_q=1, backward=False, rounds=rounds)),
     ]
     paths = []
     for suffix, kwargs in parts:
-        rows = run(device="cpu", dtypes=["fp32", "bf16"], head_dims=[64, 128], **kwargs)
+        rows = run(device="cpu", **{"dtypes": ["fp32", "bf16"], **kwargs}, head_dims=[64, 128])
         print_table(rows)
         paths.append(write_results(rows, out_dir, tag + suffix)[0])
         print(paths[-1], flush=True)

@@ -37,6 +37,12 @@ class DType(str, Enum):
     fp16 = "fp16"
 
 
+class Fp32Precision(str, Enum):
+    highest = "highest"
+    high = "high"
+    medium = "medium"
+
+
 @app.command()
 def bench(
     device: Annotated[Device, typer.Option(help="Device to benchmark on.")] = Device.cpu,
@@ -53,6 +59,8 @@ def bench(
     rounds: Annotated[int, typer.Option(help="Interleaved timing samples per implementation; the median is reported.")] = 5,
     out: Annotated[Path, typer.Option(help="Directory for the JSON and PNG results.")] = Path("benchmarks/results"),
     tag: Annotated[Optional[str], typer.Option(help="Result file name stem (default: the device).")] = None,
+    fp32_precision: Annotated[Optional[Fp32Precision], typer.Option(
+        help="torch.set_float32_matmul_precision for the run, both sides (CPU fp32 on AMX: 'high' takes the bf16x3 forward).")] = None,
 ) -> None:
     """Time tvmflash against torch's scaled_dot_product_attention (forward and backward)."""
     from rich.console import Console
@@ -71,6 +79,7 @@ def bench(
         rounds=rounds,
         iters=iters,
         backward=backward,
+        fp32_precision=fp32_precision.value if fp32_precision else None,
     )
     b.print_table(rows)
     json_path, png_path = b.write_results(rows, out, tag or device.value)
