@@ -203,6 +203,52 @@ def split_bf16(x):
     return hi, x - hi
 
 
+def key_row(src, b, h, row, rows, c0, lanes: int = 32):
+    """`lanes` fp32 of src[b, h, row, c0 ..] as fp32x16 vectors, 0 for a row past `rows` (the
+    row index clamped in bounds)."""
+    zero = tirx.Broadcast(tirx.const(0.0, F32), 16)
+    at = tirx.min(row, rows - 1)
+    return [tirx.Select(row < rows, tirx.BufferLoad(src, [b, h, at, _ramp(src, c0 + 16 * v, 16)]), zero)
+            for v in range(lanes // 16)]
+
+
+# which part (0: hi, 1: lo) each segment of a bf16x3 operand holds along its GEMM's contraction:
+# A operands (row-major bf16) [hi | hi | lo], B operands (VNNI pairs) [hi; lo; hi]
+A_PARTS = (0, 0, 1)
+B_PARTS = (0, 1, 0)
+
+
+def _ramp(buf, start, lanes: int):
+    """`lanes` consecutive indices of `buf`'s last axis from `start`, in the buffer's index type
+    (a Ramp of another integer type crashes TVM's passes)."""
+    dtype = buf.shape[-1].dtype if hasattr(buf.shape[-1], "dtype") else "int32"
+    return tirx.Ramp(tirx.Cast(dtype, start), tirx.const(1, dtype), lanes)
+
+
+def store_split_row(dst, first, values) -> None:
+    """A bf16x3 A operand's 32 values (two fp32x16, `values`) in its segments: dst[first(s) ..
+    + 32] <- part A_PARTS[s] as 32 bf16 (`first(s)`: the index list of the segment's first
+    element; a PAIR `dst` takes them as 16 words)."""
+    halves = [split_bf16(x) for x in values]
+    parts = [irb.bind(_to_bf16(halves[0][part], halves[1][part])) for part in range(2)]
+    words = dst.dtype == PAIR
+    for segment, part in enumerate(A_PARTS):
+        *prefix, last = first(segment)
+        irb.buffer_store(dst, tirx.reinterpret(PAIR + "x16" if words else "bfloat16x32", parts[part]),
+                         [*prefix, _ramp(dst, last, 16 if words else 32)])
+
+
+def store_split_pairs(dst, first, even, odd) -> None:
+    """A bf16x3 B operand's VNNI pairs of the fp32x16 rows `even[h]`, `odd[h]` (K-dim rows 2p,
+    2p + 1; h: 16-column halves) in its segments: dst[first(s, h) .. + 16] <- part B_PARTS[s]."""
+    for half, (e, o) in enumerate(zip(even, odd)):
+        (e_hi, e_lo), (o_hi, o_lo) = split_bf16(e), split_bf16(o)
+        parts = [irb.bind(bf16_pairs(e_hi, o_hi)), bf16_pairs(e_lo, o_lo)]
+        for segment, part in enumerate(B_PARTS):
+            *prefix, last = first(segment, half)
+            irb.buffer_store(dst, parts[part], [*prefix, _ramp(dst, last, 16)])
+
+
 def bf16_pairs(even, odd):
     """Two fp32x16 rows (K-dim rows 2p and 2p + 1) as 16 VNNI pairs of a B operand."""
     return tirx.reinterpret("uint32x16", tirx.Shuffle([_to_bf16(even, odd)], _INTERLEAVE))

@@ -42,9 +42,9 @@ from ..kernels.common import F32, LOG2E, NEG_INF, POS_INF, KernelArgs, Shape, fa
 from ..kernels.dropout import Dropout
 from ..kernels.forward import declare_forward_args
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
-from .amx import (BF16, PAIR, TILES, MatrixUnit, _to_bf16, amx_dropout_buffers, bf16_pairs, column_16,
-                  dropout_tile_16, exp2_16, fp32_column, split_bf16, stage_rows, store_bf16_row, store_word_halves,
-                  store_words, word_column)
+from .amx import (BF16, PAIR, TILES, MatrixUnit, amx_dropout_buffers, bf16_pairs, column_16, dropout_tile_16, exp2_16,
+                  fp32_column, key_row, stage_rows, store_bf16_row, store_split_pairs, store_split_row,
+                  store_word_halves, store_words, word_column)
 
 LN2 = 0.6931471805599453
 NEG_INF16 = tirx.Broadcast(NEG_INF, 16)
@@ -254,15 +254,12 @@ def _power(x, n: int):
 
 def store_probabilities(pp, p, cols, even, odd, pairs: int, segments: int):
     """P's key rows 2p, 2p + 1 (16 queries `cols`) as VNNI pairs of the P.V operand: one
-    segment, or `avx512.SPLIT_SEGMENTS` of `pairs` pair rows each, [hi; lo; hi] (the bf16x3
-    forward's B operand, against V^T's [hi | hi | lo])."""
+    segment, or `avx512.SPLIT_SEGMENTS` of `pairs` pair rows each (the bf16x3 forward's B
+    operand, `amx.store_split_pairs`)."""
     if segments == 1:
         irb.buffer_store(pp, bf16_pairs(even, odd), [p, cols])
-        return
-    (even_hi, even_lo), (odd_hi, odd_lo) = split_bf16(even), split_bf16(odd)
-    hi, lo = irb.bind(bf16_pairs(even_hi, odd_hi)), bf16_pairs(even_lo, odd_lo)
-    for segment, pairs_of in enumerate((hi, lo, hi)):
-        irb.buffer_store(pp, pairs_of, [p + segment * pairs, cols])
+    else:
+        store_split_pairs(pp, lambda segment, _: [p + segment * pairs, cols.base], [even], [odd])
 
 
 @T.inline
@@ -422,39 +419,6 @@ def store_output_row(o, row_at: list, accT, i, d0, inv_l, acc_row_bytes: int) ->
         store_bf16_row(o, [*row_at, d0], lo, hi)
 
 
-def store_split_row(dst, row_at: list, src, c0, head_dim: int, keep) -> None:
-    """dst[*row_at, :3 head_dim] (bf16) <- [hi | hi | lo] of src's 32 fp32 at column c0 (0
-    where not `keep`), at c0, head_dim + c0 and 2 head_dim + c0: a bf16x3 A operand's row."""
-    zero = tirx.Broadcast(tirx.const(0.0, F32), 16)
-    *prefix, _ = src.indices
-    halves = [split_bf16(tirx.Select(keep, tirx.BufferLoad(src.source, [*prefix, tirx.Ramp(c0 + 16 * h, 1, 16)]),
-                                     zero)) for h in range(2)]
-    hi, lo = (irb.bind(_to_bf16(halves[0][x], halves[1][x])) for x in range(2))
-    for segment, words in enumerate((hi, hi, lo)):
-        irb.buffer_store(dst, tirx.reinterpret("bfloat16x32", words),
-                         [*row_at, tirx.Ramp(tirx.Cast("int64", segment * head_dim + c0), tirx.const(1, "int64"), 32)])
-
-
-def store_split_column(dst, row_at: list, col, block_k: int, column) -> None:
-    """dst[*row_at, col + s block_k : .. + 32] <- segment s of [hi | hi | lo] of 32 fp32
-    (`column`: two fp32x16), a bf16x3 V^T row's 32 keys in each of their block's segments."""
-    halves = [split_bf16(x) for x in column]
-    hi, lo = (irb.bind(_to_bf16(halves[0][x], halves[1][x])) for x in range(2))
-    for segment, words in enumerate((hi, hi, lo)):
-        irb.buffer_store(dst, tirx.reinterpret("bfloat16x32", words),
-                         [*row_at, tirx.Ramp(tirx.Cast("int64", col + segment * block_k), tirx.const(1, "int64"), 32)])
-
-
-def store_split_pairs(qp, p, c0, pairs: int, even, odd) -> None:
-    """qp[p + s pairs, c0 : c0 + 32] <- segment s of [hi; lo; hi] of 32 columns' (even, odd)
-    fp32 rows (each two fp32x16): a bf16x3 B operand's pair rows."""
-    parts = [[split_bf16(x) for x in row] for row in (even, odd)]  # [row][half] -> (hi, lo)
-    for segment, part in enumerate((0, 1, 0)):
-        for half in range(2):
-            irb.buffer_store(qp, bf16_pairs(parts[0][half][part], parts[1][half][part]),
-                             [p + segment * pairs, tirx.Ramp(c0 + half * 16, 1, 16)])
-
-
 def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int, with_k: bool = True) -> tirx.PrimFunc:
     """kp[b, h, j, d] = K (0 past Lk), vt[b, h, d, j] = V^T (0 past Lk), j < padded length:
     `forward_pack` (k, v, kp, vt). Without `with_k`, V^T only: `forward_pack_vt` (v, vt), for
@@ -541,8 +505,8 @@ def forward_bf16x3_pack_kernel(spec: AttentionSpec, kv_pad: int, block_k: int) -
                         vj, vcc = T.axis.remap("SS", [j, c])
                         T.reads(K[vb, vh, T.min(j0 + vj, LK - 1), vcc * 32:vcc * 32 + 32])
                         T.writes(KP[vb, vh, j0 + vj, 0:SPLIT_SEGMENTS * D])
-                        store_split_row(KP, [vb, vh, j0 + vj], K[vb, vh, T.min(j0 + vj, LK - 1), vcc * 32], vcc * 32,
-                                        D, j0 + vj < LK)
+                        store_split_row(KP, lambda s: [vb, vh, j0 + vj, s * D + vcc * 32],
+                                        key_row(K, vb, vh, j0 + vj, LK, vcc * 32))
                 # the chunk's columns in its kv block's segments
                 col = T.meta_var(j0 // block_k * (SPLIT_SEGMENTS * block_k) + j0 % block_k)
                 for d in T.serial(D):
@@ -550,7 +514,7 @@ def forward_bf16x3_pack_kernel(spec: AttentionSpec, kv_pad: int, block_k: int) -
                         vd = T.axis.remap("S", [d])
                         T.reads(V[vb, vh, 0:LK, vd])
                         T.writes(VT[vb, vh, vd, 0:SPLIT_SEGMENTS * LKP])
-                        store_split_column(VT, [vb, vh, vd], col, block_k, fp32_column(V, vb, vh, j0, vd, LK))
+                        store_split_row(VT, lambda s: [vb, vh, vd, col + s * block_k], fp32_column(V, vb, vh, j0, vd, LK))
 
     return pack.with_attr("global_symbol", "forward_pack_bf16x3")
 
@@ -613,7 +577,8 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                         if SEG == 1:
                             store_words(qp, [vp], vc * 32, word_column(Q, vb, vh, q0 + vc * 32, vp, LQ))
                         else:
-                            store_split_pairs(qp, vp, vc * 32, D // 2, fp32_column(Q, vb, vh, q0 + vc * 32, vp * 2, LQ),
+                            store_split_pairs(qp, lambda s, h: [vp + s * (D // 2), vc * 32 + h * 16],
+                                              fp32_column(Q, vb, vh, q0 + vc * 32, vp * 2, LQ),
                                               fp32_column(Q, vb, vh, q0 + vc * 32, vp * 2 + 1, LQ))
                 for i in T.serial(BQ):
                     with T.sblock("init_ml"):
