@@ -24,34 +24,40 @@ from __future__ import annotations
 
 from tvm import tirx
 from tvm.script import tirx as T
+from tvm.script.ir_builder import tirx as irb
 
 from ..kernels.backward import declare_backward_inputs, load_row_stats
 from ..kernels.common import F32, LOG2E, KernelArgs, Shape, fast_exp
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
 from .amx import (BF16, PAIR, TILES, MatrixUnit, amx_dropout_buffers, bf16_pairs, bf16_row, dropout_tile_16, exp2_16,
-                  pair_bits, stage_rows, store_word_halves, store_words, word_column)
-from .amx_forward import (amx_supported, dropped, modified, odd_tanh, small_limit, small_scores, tanh_16,
-                          tanh_coefficients, z_rows)
+                  fp32_column, key_row, pair_bits, stage_rows, store_split_pairs, store_split_row, store_word_halves,
+                  store_words, word_column)
+from .amx_forward import (amx_supported, bf16x3_supported, dropped, modified, odd_tanh, segments_of, small_limit,
+                          small_scores, tanh_16, tanh_coefficients, z_rows)
 
-__all__ = ["amx_supported", "backward_amx_pack_kernel", "backward_amx_kernel"]
+__all__ = ["amx_supported", "backward_amx_pack_kernel", "backward_amx_kernel", "backward_bf16x3_pack_kernel"]
 
 
 class Packs:
-    """The packed operands (kernel arguments, declared in this order after the others)."""
+    """The packed operands (kernel arguments, declared in this order after the others). An fp32
+    spec's (bf16x3, `segments_of`: S = 3) take S segments along each GEMM's contraction: rows
+    of K and V [hi | hi | lo] over the head dim, K^T's rows each kv block's keys [hi | hi | lo]
+    (`block_k`), Q and dO pairs [hi; lo; hi] over the head dim, and over each q-block's queries
+    (`block_q`)."""
 
     def __init__(self, spec, shape: Shape, args: KernelArgs, lqp: tirx.Var):
-        D = spec.head_dim
+        D, S = spec.head_dim, segments_of(spec)
         B, H, HK = shape.batch, shape.heads, shape.heads_k
         self.lqp = lqp
         self.lkp = tirx.Var("seqlen_k_padded", "int64")
         LQP, LKP = self.lqp, self.lkp
-        self.kp = args.tensor("kp", (B, HK, LKP, D), BF16)  # K rows
-        self.vp = args.tensor("vp", (B, HK, LKP, D), BF16)  # V rows
-        self.kt = args.tensor("kt", (B, HK, D, LKP), BF16)  # K^T rows
-        self.qd = args.tensor("qd", (B, H, D // 2, LQP), PAIR)  # [p, i] = (q[i, 2p], q[i, 2p+1])
-        self.dod = args.tensor("dod", (B, H, D // 2, LQP), PAIR)
-        self.qq = args.tensor("qq", (B, H, LQP // 2, D), PAIR)  # [r, d] = (q[2r, d], q[2r+1, d])
-        self.doq = args.tensor("doq", (B, H, LQP // 2, D), PAIR)
+        self.kp = args.tensor("kp", (B, HK, LKP, S * D), BF16)  # K rows
+        self.vp = args.tensor("vp", (B, HK, LKP, S * D), BF16)  # V rows
+        self.kt = args.tensor("kt", (B, HK, D, S * LKP), BF16)  # K^T rows
+        self.qd = args.tensor("qd", (B, H, S * D // 2, LQP), PAIR)  # [p, i] = (q[i, 2p], q[i, 2p+1])
+        self.dod = args.tensor("dod", (B, H, S * D // 2, LQP), PAIR)
+        self.qq = args.tensor("qq", (B, H, S * LQP // 2, D), PAIR)  # [r, d] = (q[2r, d], q[2r+1, d])
+        self.doq = args.tensor("doq", (B, H, S * LQP // 2, D), PAIR)
 
 
 def backward_amx_pack_kernel(spec, pad: int) -> tirx.PrimFunc:
@@ -120,6 +126,96 @@ def backward_amx_pack_kernel(spec, pad: int) -> tirx.PrimFunc:
                             T.Select(i0 + 2 * vr + 1 < LQ, T.uint32(0xFFFFFFFF), T.uint32(0xFFFF)), T.uint32(0))
 
     return pack.with_attr("global_symbol", "backward_pack")
+
+
+def split_rows(pairs, b, h, j, c0, rows, D: int) -> None:
+    """For each (src, dst) of `pairs`: src's row j, columns [c0, c0 + 32), as dst's bf16x3 A
+    operand row segments (0 past `rows`)."""
+    for src, dst in pairs:
+        store_split_row(dst, lambda s: [b, h, j, s * D + c0], key_row(src, b, h, j, rows, c0))
+
+
+def split_pairs_over_d(pairs, b, h, p, i0, rows, D: int) -> None:
+    """For each (src, dst): src's columns 2p, 2p + 1 of rows [i0, i0 + 32) as dst's bf16x3
+    VNNI pairs over the head dim (segments D / 2 pair rows apart)."""
+    for src, dst in pairs:
+        store_split_pairs(dst, lambda s, half: [b, h, p + s * (D // 2), i0 + half * 16],
+                          fp32_column(src, b, h, i0, p * 2, rows), fp32_column(src, b, h, i0, p * 2 + 1, rows))
+
+
+def split_pairs_over_queries(pairs, b, h, row, i, c0, rows, block_q: int) -> None:
+    """For each (src, dst): src's rows i, i + 1, columns [c0, c0 + 16), as dst's bf16x3 VNNI
+    pair row `row` of its q-block's first segment (the others block_q / 2 pair rows apart)."""
+    for src, dst in pairs:
+        store_split_pairs(dst, lambda s, _: [b, h, row + s * (block_q // 2), c0],
+                          key_row(src, b, h, i, rows, c0, 16), key_row(src, b, h, i + 1, rows, c0, 16))
+
+
+def backward_bf16x3_pack_kernel(spec, pad: int, block_q: int, block_k: int) -> tirx.PrimFunc:
+    """`backward_pack_bf16x3`: the seven packed operands of an fp32 spec's bf16x3 backward
+    (`Packs`), from fp32 q, k, v, dO; K^T's and the pairs over queries' segments follow the
+    backward's `block_k` and `block_q`."""
+    D, S = spec.head_dim, segments_of(spec)
+    shape = Shape.fresh()
+    B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
+    args = KernelArgs()
+    CH = 32  # rows per task
+    assert pad % CH == 0 and block_q % CH == 0 and block_k % CH == 0 and D % 32 == 0
+
+    def declare():
+        q, k, v, do = (args.tensor(name, (B, heads, length, D), F32)
+                       for name, heads, length in (("q", H, LQ), ("k", HK, LK), ("v", HK, LK), ("do", H, LQ)))
+        return q, k, v, do, Packs(spec, shape, args, tirx.Var("seqlen_q_padded", "int64"))
+
+    @T.prim_func(s_tir=True)
+    def pack():
+        T.func_attr({"tirx.noalias": True})
+        Q, K, V, DO, P = T.meta_var(declare())
+        NKC, NQC = T.meta_var((P.lkp // CH, P.lqp // CH))
+        for t in T.parallel(B * HK * NKC):
+            with T.sblock("kv_rows"):
+                vb = T.axis.spatial(B, t // (HK * NKC))
+                vh = T.axis.spatial(HK, t // NKC % HK)
+                vc = T.axis.spatial(NKC, t % NKC)
+                j0 = T.meta_var(vc * CH)
+                for j, c in T.grid(CH, D // 32):
+                    with T.sblock("pack_kv_split"):
+                        vj, vcc = T.axis.remap("SS", [j, c])
+                        T.reads(K[vb, vh, T.min(j0 + vj, LK - 1), vcc * 32:vcc * 32 + 32],
+                                V[vb, vh, T.min(j0 + vj, LK - 1), vcc * 32:vcc * 32 + 32])
+                        T.writes(P.kp[vb, vh, j0 + vj, 0:S * D], P.vp[vb, vh, j0 + vj, 0:S * D])
+                        split_rows(((K, P.kp), (V, P.vp)), vb, vh, j0 + vj, vcc * 32, LK, D)
+                col = T.meta_var(j0 // block_k * (S * block_k) + j0 % block_k)  # the chunk in its block's segments
+                for d in T.serial(D):
+                    with T.sblock("pack_kT_split"):
+                        vd = T.axis.remap("S", [d])
+                        T.reads(K[vb, vh, 0:LK, vd])
+                        T.writes(P.kt[vb, vh, vd, 0:S * P.lkp])
+                        store_split_row(P.kt, lambda s: [vb, vh, vd, col + s * block_k], fp32_column(K, vb, vh, j0, vd, LK))
+        for t in T.parallel(B * H * NQC):
+            with T.sblock("q_rows"):
+                vb = T.axis.spatial(B, t // (H * NQC))
+                vh = T.axis.spatial(H, t // NQC % H)
+                vc = T.axis.spatial(NQC, t % NQC)
+                i0 = T.meta_var(vc * CH)
+                for p in T.serial(D // 2):
+                    with T.sblock("pack_qd_split"):
+                        vp = T.axis.remap("S", [p])
+                        T.reads(Q[vb, vh, 0:LQ, vp * 2:vp * 2 + 2], DO[vb, vh, 0:LQ, vp * 2:vp * 2 + 2])
+                        T.writes(P.qd[vb, vh, 0:S * D // 2, i0:i0 + CH], P.dod[vb, vh, 0:S * D // 2, i0:i0 + CH])
+                        split_pairs_over_d(((Q, P.qd), (DO, P.dod)), vb, vh, vp, i0, LQ, D)
+                # the chunk's pair rows in its q-block's segments
+                row = T.meta_var(i0 // block_q * (S * block_q // 2) + i0 % block_q // 2)
+                for r, c in T.grid(CH // 2, D // 16):
+                    with T.sblock("pack_qq_split"):
+                        vr, vcc = T.axis.remap("SS", [r, c])
+                        T.reads(Q[vb, vh, 0:LQ, vcc * 16:vcc * 16 + 16], DO[vb, vh, 0:LQ, vcc * 16:vcc * 16 + 16])
+                        T.writes(P.qq[vb, vh, 0:S * P.lqp // 2, vcc * 16:vcc * 16 + 16],
+                                 P.doq[vb, vh, 0:S * P.lqp // 2, vcc * 16:vcc * 16 + 16])
+                        split_pairs_over_queries(((Q, P.qq), (DO, P.doq)), vb, vh, row + vr, i0 + 2 * vr, vcc * 16, LQ,
+                                                 block_q)
+
+    return pack.with_attr("global_symbol", "backward_pack_bf16x3")
 
 
 def step_index(b, h, q0, k0, i, j, LQ, LK, masked: bool) -> ScoreIndex:
@@ -224,20 +320,21 @@ def whole_gradients(form, sT, dpT, pT, dsT, zT, lse_t, delta_t, BQ, BK, dropout)
 
 
 @T.inline
-def score_gradients(unit, P, score, scale, cfg, sT, dpT, pT, dsT, zT, words, lse_t, delta_t, b, h, hk, q0, k0, BQ, BK, D,
+def score_gradients(unit, P, score, scale, cfg, sT, dpT, pT, dsT, zT, words, lse_t, delta_t, b, h, hk, q0, k0, BQ, BK, DC,
                     LQ, LK):
     """P^T and dS^T (fp32, keys x queries) of one (kv-block, q-block) step, and with dropout
     its factors Z^T (`zT`; `words`: scratch)."""
+    # (contractions over the head dim: D, or S D for an fp32 spec's bf16x3 packs)
     with T.sblock("qk_amx"):  # S^T = K . Q^T
-        T.reads(P.kp[b, hk, k0:k0 + BK, 0:D], P.qd[b, h, 0:D // 2, q0:q0 + BQ], cfg[0:64])
+        T.reads(P.kp[b, hk, k0:k0 + BK, 0:DC], P.qd[b, h, 0:DC // 2, q0:q0 + BQ], cfg[0:64])
         T.writes(sT[0:BK, 0:BQ])
         unit.gemm(lambda r, c: sT[r, c], BQ * 4, lambda r, c: P.kp[b, hk, k0 + r, c], P.kp.strides[2] * 2,
-                  lambda r, c: P.qd[b, h, r, q0 + c], P.qd.strides[2] * 4, BK, BQ, D, False)
+                  lambda r, c: P.qd[b, h, r, q0 + c], P.qd.strides[2] * 4, BK, BQ, DC, False)
     with T.sblock("dp_amx"):  # dP^T = V . dO^T
-        T.reads(P.vp[b, hk, k0:k0 + BK, 0:D], P.dod[b, h, 0:D // 2, q0:q0 + BQ], cfg[0:64])
+        T.reads(P.vp[b, hk, k0:k0 + BK, 0:DC], P.dod[b, h, 0:DC // 2, q0:q0 + BQ], cfg[0:64])
         T.writes(dpT[0:BK, 0:BQ])
         unit.gemm(lambda r, c: dpT[r, c], BQ * 4, lambda r, c: P.vp[b, hk, k0 + r, c], P.vp.strides[2] * 2,
-                  lambda r, c: P.dod[b, h, r, q0 + c], P.dod.strides[2] * 4, BK, BQ, D, False)
+                  lambda r, c: P.dod[b, h, r, q0 + c], P.dod.strides[2] * 4, BK, BQ, DC, False)
     if score.dropout is not None:
         dropout_tile_16(score.dropout, zT, words, b, h, q0, k0, BQ, BK)
     # P^T and dS^T in 16-lane vectors written here: left to LLVM's loop vectorizer, the
@@ -255,40 +352,78 @@ def score_gradients(unit, P, score, scale, cfg, sT, dpT, pT, dsT, zT, words, lse
 
 
 @T.inline
-def accumulate_rows(unit, name, acc, a_rows, pairs, cfg, b, h, q0, BK, BQ, D):
-    """acc (BK x D fp32) += a_rows (BK x BQ bf16: P^T or dS^T) . the step's queries of `pairs`
-    (dO or Q as VNNI pairs over queries)."""
+def accumulate_rows(unit, name, acc, a_rows, pairs, cfg, b, h, q0, BK, BQ, D, S):
+    """acc (BK x D fp32) += a_rows (BK x BQ bf16: P^T or dS^T; S segments of them, bf16x3) .
+    the step's queries of `pairs` (dO or Q as VNNI pairs over queries, the q-block's S
+    segments)."""
     with T.sblock(name):
-        T.reads(a_rows[0:BK, 0:BQ // 2], pairs[b, h, q0 // 2:q0 // 2 + BQ // 2, 0:D], acc[0:BK, 0:D], cfg[0:64])
+        T.reads(a_rows[0:BK, 0:S * BQ // 2], pairs[b, h, S * q0 // 2:S * (q0 + BQ) // 2, 0:D], acc[0:BK, 0:D], cfg[0:64])
         T.writes(acc[0:BK, 0:D])
-        unit.gemm(lambda r, c: acc[r, c], D * 4, lambda r, c: a_rows[r, c // 2], BQ * 2,
-                  lambda r, c: pairs[b, h, q0 // 2 + r, c], pairs.strides[2] * 4, BK, D, BQ, True)
+        unit.gemm(lambda r, c: acc[r, c], D * 4, lambda r, c: a_rows[r, c // 2], S * BQ * 2,
+                  lambda r, c: pairs[b, h, S * q0 // 2 + r, c], pairs.strides[2] * 4, BK, D, S * BQ, True)
+
+
+def store_step_rows(pT, dsT, pa, dsa, zT, j, c, BQ: int, S: int, dropout: bool) -> None:
+    """Key row j's queries [32 c, 32 c + 32) of (P Z)^T (Z: dropout's factors) and dS^T as bf16
+    A operand rows of dV and dK (S segments, `amx.store_split_row`, for bf16x3)."""
+    cols = [tirx.Ramp(c * 32 + h * 16, 1, 16) for h in range(2)]
+    for dst, rows in ((pa, [dropped(pT[j, x], zT, j, x, dropout) for x in cols]), (dsa, [dsT[j, x] for x in cols])):
+        if S == 1:
+            irb.buffer_store(dst, bf16_row(*rows), [j, tirx.Ramp(c * 16, 1, 16)])
+        else:
+            store_split_row(dst, lambda s: [j, s * (BQ // 2) + c * 16], rows)
 
 
 @T.inline
-def accumulate_dq(unit, P, cfg, acc_at, acc_ld, acc_region, dsT, dsb, hk, b, k0, BQ, BK, D):
-    """dQ^T (D x BQ, at acc_at) += K^T . dS^T."""
+def pack_step_rows(pT, dsT, pa, dsa, zT, BK, BQ, S, dropout):
+    """The step's A operands of dV and dK (`store_step_rows`)."""
+    for j, c in T.grid(BK, BQ // 32):
+        with T.sblock("pack_pa"):
+            vj, vc = T.axis.remap("SS", [j, c])
+            T.reads(pT[vj, vc * 32:vc * 32 + 32], dsT[vj, vc * 32:vc * 32 + 32], z_rows(zT, vj, 1, BQ, dropout))
+            T.writes(pa[vj, 0:S * BQ // 2], dsa[vj, 0:S * BQ // 2])
+            store_step_rows(pT, dsT, pa, dsa, zT, vj, vc, BQ, S, dropout)
+
+
+def store_ds_pairs(dsT, dsb, p, ic, BK: int, S: int) -> None:
+    """dS^T's key rows 2p, 2p + 1, queries [16 ic, 16 ic + 16) as VNNI pairs of dQ^T's B operand
+    (S segments: bf16x3)."""
+    cols = tirx.Ramp(ic * 16, 1, 16)
+    even, odd = dsT[p * 2, cols], dsT[p * 2 + 1, cols]
+    if S == 1:
+        irb.buffer_store(dsb, bf16_pairs(even, odd), [p, cols])
+    else:
+        store_split_pairs(dsb, lambda s, _: [p + s * (BK // 2), ic * 16], [even], [odd])
+
+
+@T.inline
+def accumulate_dq(unit, P, cfg, acc_at, acc_ld, acc_region, dsT, dsb, hk, b, k0, BQ, BK, D, S):
+    """dQ^T (D x BQ, at acc_at) += K^T . dS^T (S segments over the kv block's keys: bf16x3)."""
     for p, ic in T.grid(BK // 2, BQ // 16):
         with T.sblock("pack_dsb"):
             vp, vic = T.axis.remap("SS", [p, ic])
             T.reads(dsT[vp * 2:vp * 2 + 2, vic * 16:vic * 16 + 16])
-            T.writes(dsb[vp, vic * 16:vic * 16 + 16])
-            dsb[vp, T.Ramp(vic * 16, 1, 16)] = bf16_pairs(dsT[vp * 2, T.Ramp(vic * 16, 1, 16)],
-                                                          dsT[vp * 2 + 1, T.Ramp(vic * 16, 1, 16)])
+            T.writes(dsb[0:S * BK // 2, vic * 16:vic * 16 + 16])
+            store_ds_pairs(dsT, dsb, vp, vic, BK, S)
     with T.sblock("dq_amx"):
-        T.reads(P.kt[b, hk, 0:D, k0:k0 + BK], dsb[0:BK // 2, 0:BQ], acc_region, cfg[0:64])
+        T.reads(P.kt[b, hk, 0:D, S * k0:S * (k0 + BK)], dsb[0:S * BK // 2, 0:BQ], acc_region, cfg[0:64])
         T.writes(acc_region)
-        unit.gemm(acc_at, acc_ld, lambda r, c: P.kt[b, hk, r, k0 + c], P.kt.strides[2] * 2,
-                  lambda r, c: dsb[r, c], BQ * 4, D, BQ, BK, True)
+        unit.gemm(acc_at, acc_ld, lambda r, c: P.kt[b, hk, r, S * k0 + c], P.kt.strides[2] * 2,
+                  lambda r, c: dsb[r, c], BQ * 4, D, BQ, S * BK, True)
 
 
-def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str, unit: MatrixUnit = TILES) -> tirx.PrimFunc:
-    """plan "fused": one task per (batch, kv-head), dK, dV and dQ (symbol backward_fused);
-    "dkdv": one task per (batch, kv-head, kv-block), dK and dV (backward_dkdv); "dq": one task
-    per (batch, head, q-block), dQ (backward_dq). Arguments as the generic kernels' (the fused
-    plan's fp32 scratch is dQ^T: (B, H, D, Lq_padded)), then the packs."""
-    assert amx_supported(spec) and block_q % 32 == 0 and block_k % 32 == 0 and plan in ("fused", "dkdv", "dq")
+def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str, unit: MatrixUnit = TILES,
+                        family: str = "backward") -> tirx.PrimFunc:
+    """plan "fused": one task per (batch, kv-head), dK, dV and dQ (symbol <family>_fused);
+    "dkdv": one task per (batch, kv-head, kv-block), dK and dV (<family>_dkdv); "dq": one task
+    per (batch, head, q-block), dQ (<family>_dq). Arguments as the generic kernels' (the fused
+    plan's fp32 scratch is dQ^T: (B, H, D, Lq_padded)), then the packs. An fp32 spec gives the
+    bf16x3 backward (`backward_bf16x3_pack_kernel`'s packs, every GEMM's contraction in S
+    segments, the step's P^T / dS^T operands split likewise)."""
+    assert amx_supported(spec) or bf16x3_supported(spec)
+    assert block_q % 32 == 0 and block_k % 32 == 0 and plan in ("fused", "dkdv", "dq")
     D, BQ, BK, dt = spec.head_dim, block_q, block_k, spec.dtype
+    S = segments_of(spec)
     shape = Shape.fresh()
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
     args = KernelArgs()
@@ -309,7 +444,7 @@ def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str, unit: Matri
         return lse, delta, dk, dv, dq, dq_accT, scale, score, packs
 
     if plan == "dq":
-        return _dq_kernel(declare, shape, D, BQ, BK, dt, WORDS_SHAPE, Z_SHAPE, unit)
+        return _dq_kernel(declare, shape, D, BQ, BK, dt, WORDS_SHAPE, Z_SHAPE, unit, S, family)
 
     @T.prim_func(s_tir=True)
     def dkdv_fn():
@@ -352,34 +487,23 @@ def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str, unit: Matri
                                 dpT = T.sblock_alloc_buffer((BK, BQ), F32)
                                 pT = T.sblock_alloc_buffer((BK, BQ), F32)
                                 dsT = T.sblock_alloc_buffer((BK, BQ), F32)
-                                pa = T.sblock_alloc_buffer((BK, BQ // 2), PAIR)  # bf16 rows
-                                dsa = T.sblock_alloc_buffer((BK, BQ // 2), PAIR)
+                                pa = T.sblock_alloc_buffer((BK, S * BQ // 2), PAIR)  # bf16 rows
+                                dsa = T.sblock_alloc_buffer((BK, S * BQ // 2), PAIR)
                                 zT = T.sblock_alloc_buffer(Z_SHAPE, F32)  # dropout's factors Z^T
                                 words = T.sblock_alloc_buffer(WORDS_SHAPE, "uint32")  # and Philox words
                                 vh = T.meta_var(vhk * G + vg)
                                 q0 = T.meta_var(vqb * BQ)
                                 load_row_stats(LSE, DELTA, lse_t, delta_t, vb, vh, q0, BQ, LQ)
                                 score_gradients(unit, P, score, scale, cfg, sT, dpT, pT, dsT, zT, words, lse_t, delta_t,
-                                                vb, vh, vhk, q0, k0, BQ, BK, D, LQ, LK)
-                                for j, c in T.grid(BK, BQ // 32):  # dV takes (P Z)^T with dropout
-                                    with T.sblock("pack_pa"):
-                                        vj, vc = T.axis.remap("SS", [j, c])
-                                        T.reads(pT[vj, vc * 32:vc * 32 + 32], dsT[vj, vc * 32:vc * 32 + 32],
-                                                z_rows(zT, vj, 1, BQ, dropout))
-                                        T.writes(pa[vj, vc * 16:vc * 16 + 16], dsa[vj, vc * 16:vc * 16 + 16])
-                                        pa[vj, T.Ramp(vc * 16, 1, 16)] = bf16_row(
-                                            dropped(pT[vj, T.Ramp(vc * 32, 1, 16)], zT, vj, T.Ramp(vc * 32, 1, 16), dropout),
-                                            dropped(pT[vj, T.Ramp(vc * 32 + 16, 1, 16)], zT, vj, T.Ramp(vc * 32 + 16, 1, 16),
-                                                    dropout))
-                                        dsa[vj, T.Ramp(vc * 16, 1, 16)] = bf16_row(dsT[vj, T.Ramp(vc * 32, 1, 16)],
-                                                                                   dsT[vj, T.Ramp(vc * 32 + 16, 1, 16)])
-                                accumulate_rows(unit, "dv_amx", dv_acc, pa, P.doq, cfg, vb, vh, q0, BK, BQ, D)  # dV += P^T dO
-                                accumulate_rows(unit, "dk_amx", dk_acc, dsa, P.qq, cfg, vb, vh, q0, BK, BQ, D)  # dK += dS^T Q
+                                                vb, vh, vhk, q0, k0, BQ, BK, S * D, LQ, LK)
+                                pack_step_rows(pT, dsT, pa, dsa, zT, BK, BQ, S, dropout)  # dV takes (P Z)^T with dropout
+                                accumulate_rows(unit, "dv_amx", dv_acc, pa, P.doq, cfg, vb, vh, q0, BK, BQ, D, S)  # dV += P^T dO
+                                accumulate_rows(unit, "dk_amx", dk_acc, dsa, P.qq, cfg, vb, vh, q0, BK, BQ, D, S)  # dK += dS^T Q
                                 if fused:
-                                    dsb = T.sblock_alloc_buffer((BK // 2, BQ), PAIR)
+                                    dsb = T.sblock_alloc_buffer((S * BK // 2, BQ), PAIR)
                                     accumulate_dq(unit, P, cfg, lambda r, c: DQ_ACC[vb, vh, r, q0 + c],
                                                   DQ_ACC.strides[2] * 4, DQ_ACC[vb, vh, 0:D, q0:q0 + BQ],
-                                                  dsT, dsb, vhk, vb, k0, BQ, BK, D)
+                                                  dsT, dsb, vhk, vb, k0, BQ, BK, D, S)
                         for j, d in T.grid(BK, D):
                             with T.sblock("store_dkdv"):
                                 vj, vd = T.axis.remap("SS", [j, d])
@@ -394,11 +518,11 @@ def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str, unit: Matri
                             DQ[vt // HK, vt % HK * G + vg, vi, vd] = T.Cast(
                                 dt, DQ_ACC[vt // HK, vt % HK * G + vg, vd, vi] * scale)
 
-    return dkdv_fn.with_attr("global_symbol", "backward_fused" if fused else "backward_dkdv")
+    return dkdv_fn.with_attr("global_symbol", f"{family}_fused" if fused else f"{family}_dkdv")
 
 
 def _dq_kernel(declare, shape: Shape, D: int, BQ: int, BK: int, dt: str, WORDS_SHAPE, Z_SHAPE,
-               unit: MatrixUnit) -> tirx.PrimFunc:
+               unit: MatrixUnit, S: int, family: str) -> tirx.PrimFunc:
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
 
     @T.prim_func(s_tir=True)
@@ -431,14 +555,14 @@ def _dq_kernel(declare, shape: Shape, D: int, BQ: int, BK: int, dt: str, WORDS_S
                         dpT = T.sblock_alloc_buffer((BK, BQ), F32)
                         pT = T.sblock_alloc_buffer((BK, BQ), F32)
                         dsT = T.sblock_alloc_buffer((BK, BQ), F32)
-                        dsb = T.sblock_alloc_buffer((BK // 2, BQ), PAIR)
+                        dsb = T.sblock_alloc_buffer((S * BK // 2, BQ), PAIR)
                         zT = T.sblock_alloc_buffer(Z_SHAPE, F32)
                         words = T.sblock_alloc_buffer(WORDS_SHAPE, "uint32")
                         k0 = T.meta_var(vkb * BK)
                         score_gradients(unit, P, score, scale, cfg, sT, dpT, pT, dsT, zT, words, lse_t, delta_t,
-                                        vb, vh, vhk, q0, k0, BQ, BK, D, LQ, LK)
+                                        vb, vh, vhk, q0, k0, BQ, BK, S * D, LQ, LK)
                         accumulate_dq(unit, P, cfg, lambda r, c: dq_accT[r, c], BQ * 4, dq_accT[0:D, 0:BQ],
-                                      dsT, dsb, vhk, vb, k0, BQ, BK, D)
+                                      dsT, dsb, vhk, vb, k0, BQ, BK, D, S)
                 unit.release()
                 for i, d in T.grid(BQ, D):
                     with T.sblock("store_dq"):
@@ -446,4 +570,4 @@ def _dq_kernel(declare, shape: Shape, D: int, BQ: int, BK: int, dt: str, WORDS_S
                         T.where(q0 + i < LQ)
                         DQ[vb, vh, q0 + vi, vd] = T.Cast(dt, dq_accT[vd, vi] * scale)
 
-    return dq_fn.with_attr("global_symbol", "backward_dq")
+    return dq_fn.with_attr("global_symbol", f"{family}_dq")

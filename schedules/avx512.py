@@ -12,9 +12,10 @@ vector length, the extra AMX-side blocks and the knob defaults differ. Knobs (na
 
     block_q, block_k           forward generator parameters (AMX: multiples of 32 dividing AMX_KV_PAD)
     long_block_q               the AMX forward's block_q for long keys (`forward_long`, see AMX_LONG_KV_BYTES)
-    bf16x3_block_q, bf16x3_block_k, bf16x3_long_block_q
-                               the same for fp32 specs' bf16x3 forward (`forward_bf16x3`,
-                               `forward_bf16x3_long`: torch's float32 matmul precision "high")
+    bf16x3_block_q, bf16x3_block_k, bf16x3_long_block_q, bf16x3_bwd_block_q, bf16x3_bwd_block_k
+                               the same for fp32 specs' bf16x3 forward and backward
+                               (`forward_bf16x3`, `backward_bf16x3_*`: torch's float32 matmul
+                               precision "high")
     bwd_block_q, bwd_block_k   the backward's
     <kernel>.<matmul>.rows     register-tile rows of each FMA matmul block
     <kernel>.<matmul>.vecs     zmm vectors per register-tile row
@@ -57,7 +58,8 @@ AMX_LONG_MIN_QUERIES = 256  # fewer queries (chunked prefill on a long cache) wo
 # 32 zmm registers: register tiles of up to 8 x 2 (or 4 x 4) accumulators
 DEFAULTS = {
     "block_q": 64, "block_k": 64, "long_block_q": 256, "bwd_block_q": 64, "bwd_block_k": 64,
-    "bf16x3_block_q": 64, "bf16x3_block_k": 128, "bf16x3_long_block_q": 256,
+    "bf16x3_block_q": 64, "bf16x3_block_k": 128, "bf16x3_long_block_q": 256, "bf16x3_bwd_block_q": 64,
+    "bf16x3_bwd_block_k": 64,
     **{f"{k}.{m}.rows": 8 for k, m in (("forward", "qk"), ("forward", "pv"), ("backward_dq", "qk"),
                                       ("backward_dq", "dp"), ("backward_dq", "dq"))},
     **{f"{k}.{m}.rows": 8 for k in ("backward_dkdv", "backward_fused") for m in ("qk", "dp", "dv", "dk", "dq")},
@@ -112,7 +114,7 @@ def takes_pair_dots(target: dict) -> bool:
 
 def kernels(spec, target: dict, knobs: dict) -> dict:
     """Name -> PrimFunc of every kernel of `spec`'s module for `target`."""
-    from .amx_backward import backward_amx_kernel, backward_amx_pack_kernel
+    from .amx_backward import backward_amx_kernel, backward_amx_pack_kernel, backward_bf16x3_pack_kernel
     from .amx_decode import decode_amx_kernel
     from .amx import PAIR_DOT
     from .amx_forward import (amx_supported, bf16x3_supported, forward_amx_kernel, forward_amx_pack_kernel,
@@ -142,6 +144,10 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
         if long_bq != bq:
             funcs["forward_bf16x3_long"] = forward_amx_kernel(spec, long_bq, bk, AMX_KV_PAD, "forward_bf16x3_long", unit)
         funcs["forward_pack_bf16x3"] = forward_bf16x3_pack_kernel(spec, AMX_KV_PAD, bk)
+        bq, bk = knobs["bf16x3_bwd_block_q"], knobs["bf16x3_bwd_block_k"]
+        for plan in ("fused", "dkdv", "dq"):
+            funcs[f"backward_bf16x3_{plan}"] = backward_amx_kernel(spec, bq, bk, plan, unit, "backward_bf16x3")
+        funcs["backward_pack_bf16x3"] = backward_bf16x3_pack_kernel(spec, AMX_KV_PAD, bq, bk)
     return funcs
 
 

@@ -19,7 +19,7 @@ import tvmflash
 from tvmflash import AttentionSpec
 from tvmflash.build import has_compiler
 from tvmflash.cpu import cpu_flags, runs_avx512_amx
-from test_attention import DTYPES, check_against_reference, flash_run, make, masks
+from test_attention import DTYPES, backward_plan, check_against_reference, flash_run, make, masks
 from test_kvcache import check_kvcache
 from test_variants import alibi, flash_variant_run
 
@@ -57,15 +57,18 @@ def test_asm_bf16_forward_runs_on_amx_tiles():
 
 
 def test_asm_fp32_high_precision_forward_runs_on_amx_tiles():
-    """fp32 modules for AMX hold the bf16x3 forward (torch's float32 matmul precision "high"):
-    both its forwards on tiles, fp32 outputs stored whole; its pack splits with the bf16
-    conversion (`vcvtne2ps2bf16`) and gathers V's columns."""
+    """fp32 modules for AMX hold the bf16x3 forward and backward (torch's float32 matmul
+    precision "high"): their kernels on tiles, P / dS split with the bf16 conversion
+    (`vcvtne2ps2bf16`), as in their packs, which gather the transposed operands' columns."""
     asm = spr_asm(AttentionSpec("float32", 128, causal="bottom_right"))
     for name in ("forward_bf16x3", "forward_bf16x3_long"):
         fwd = asm[name]
         assert "ldtilecfg" in fwd and fwd.count("tdpbf16ps") >= 8 and "vcvtne2ps2bf16" in fwd
-    pack = asm["forward_pack_bf16x3"]
-    assert "vcvtne2ps2bf16" in pack and ("vgatherdps" in pack or "vpgatherdd" in pack)
+    for name in ("backward_bf16x3_fused", "backward_bf16x3_dkdv", "backward_bf16x3_dq"):
+        assert asm[name].count("tdpbf16ps") >= 8 and "vcvtne2ps2bf16" in asm[name]
+    for name in ("forward_pack_bf16x3", "backward_pack_bf16x3"):
+        pack = asm[name]
+        assert "vcvtne2ps2bf16" in pack and ("vgatherdps" in pack or "vpgatherdd" in pack)
     assert "tdpbf16ps" not in asm["forward"]  # the default precision's forward: fp32 FMAs
     assert "vfmadd" in asm["forward"]
 
@@ -363,37 +366,42 @@ HIGH_BUDGET = 2e-4
 
 
 def check_high_precision(q, k, v, dout, run, monkeypatch, causal="none", mask=None, **variant):
-    """An fp32 call under precision "high" takes the bf16x3 forward (its packs are called) and
-    matches the float64 reference within HIGH_BUDGET (out, lse) and, relative to their size,
-    2 HIGH_BUDGET (gradients: the backward is the fp32 one, on the forward's lse)."""
+    """An fp32 call under precision "high" takes the bf16x3 forward and backward (their packs
+    are called; both backward plans) and matches the float64 reference within HIGH_BUDGET
+    (out, lse) and, relative to their size, 2 HIGH_BUDGET (gradients)."""
     from tvmflash import ops
     from tvmflash.reference import attention
 
-    packs = []
-    real_packs = ops._bf16x3_packs
-    monkeypatch.setattr(ops, "_bf16x3_packs", lambda *a: packs.append(1) or real_packs(*a))
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out, lse = run(*leaves)
-    assert packs, "the bf16x3 forward did not run"
-    out.backward(dout)
+    families = []
+    real_forward_packs, real_backward_packs = ops._bf16x3_packs, ops._amx_backward_packs
+    monkeypatch.setattr(ops, "_bf16x3_packs", lambda *a: families.append("forward") or real_forward_packs(*a))
+    monkeypatch.setattr(ops, "_amx_backward_packs", lambda *a: families.append(a[-1]) or real_backward_packs(*a))
     xs = [x.detach().double().requires_grad_() for x in (q, k, v)]
     o64, l64 = attention(*xs, causal=causal, mask=mask, **variant)
     o64.backward(dout.double())
-    assert (out.double() - o64).abs().max().item() <= HIGH_BUDGET
-    assert torch.equal(lse.isinf(), l64.isinf())
-    fin = ~l64.isinf()
-    assert not fin.any() or (lse.double()[fin] - l64[fin]).abs().max().item() <= HIGH_BUDGET
-    for name, ours, ref in zip(("dq", "dk", "dv"), (x.grad for x in leaves), (x.grad for x in xs)):
-        err = (ours.double() - ref).abs().max().item()
-        assert err <= 2 * HIGH_BUDGET * (1 + ref.abs().max().item()), f"{name}: {err:.3g}"
+    for plan in ("fused", "split"):
+        families.clear()
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        out, lse = run(*leaves)
+        with backward_plan(plan):
+            out.backward(dout)
+        assert "forward" in families and families[-1] == "backward_bf16x3" and "backward" not in families, families
+        assert (out.double() - o64).abs().max().item() <= HIGH_BUDGET
+        assert torch.equal(lse.isinf(), l64.isinf())
+        fin = ~l64.isinf()
+        assert not fin.any() or (lse.double()[fin] - l64[fin]).abs().max().item() <= HIGH_BUDGET
+        for name, ours, ref in zip(("dq", "dk", "dv"), (x.grad for x in leaves), (x.grad for x in xs)):
+            err = (ours.double() - ref).abs().max().item()
+            assert err <= 2 * HIGH_BUDGET * (1 + ref.abs().max().item()), f"{name} ({plan}): {err:.3g}"
 
 
 @pytest.mark.parametrize("d,causal", [(64, False), (128, True)], ids=str)
 @pytest.mark.parametrize("lq,lk", [s for s in SHAPES if s[0] > 16] + [(300, 2100)], ids=str)
 def test_fp32_high_precision_forward(d, causal, lq, lk, bf16_unit, precision_high, monkeypatch):
-    """fp32 under torch's float32 matmul precision "high": the bf16x3 forward (schedules/
-    amx_forward.py, fp32 specs) on both matrix units; GQA, strided (B, L, H, D) views, causal
-    with Lq != Lk and fully masked rows, 300 x 2100 on `forward_bf16x3_long`. (Decode-like
+    """fp32 under torch's float32 matmul precision "high": the bf16x3 forward and backward
+    (schedules/amx_forward.py, amx_backward.py on fp32 specs) on both matrix units; GQA,
+    strided (B, L, H, D) views, causal with Lq != Lk and fully masked rows, 300 x 2100 on
+    `forward_bf16x3_long`. (Decode-like
     calls, Lq <= host.SPLIT_MAX_Q, keep the split-KV FMA kernels: memory-bound.)"""
     h, hk = [(4, 2), (6, 1), (3, 3)][(lq + d) % 3]
     q, k, v, dout = make(2, h, hk, lq, lk, d, torch.float32, seed=lq * lk)
@@ -426,13 +434,13 @@ def test_fp32_high_precision_mask_and_variants(bf16_unit, precision_high, monkey
 
 
 def test_fp32_highest_precision_keeps_fma_kernels(bf16_unit):
-    """The default precision ("highest") never takes the bf16x3 forward; fp32 modules hold it
+    """The default precision ("highest") never takes the bf16x3 kernels; fp32 modules hold them
     only for AMX targets and the avx512_bf16 test target (Zen hosts' pair dots would be slower
     than their FMAs)."""
     from tvmflash import ops
 
     kernels = ops._kernels(AttentionSpec("float32", 64), torch.device("cpu"))
-    assert "forward_bf16x3" in kernels and "forward_bf16x3_long" in kernels
+    assert {"forward_bf16x3", "forward_bf16x3_long", "backward_bf16x3_fused", "backward_bf16x3_dq"} <= set(kernels)
     q = torch.empty(1, 1, 1, 64)
     assert torch.get_float32_matmul_precision() == "highest" and not ops._takes_bf16x3(kernels, q)
     assert not ops._takes_bf16x3(kernels, q.bfloat16())

@@ -42,7 +42,8 @@ CPU_KERNELS = ("forward", "backward_delta", "backward_dkdv", "backward_dq",
 # (schedules/amx_decode.py)
 CPU_OPTIONAL_KERNELS = ("forward_pack", "forward_pack_vt", "forward_long", "backward_pack", "forward_split",
                         "forward_split_row", "forward_split_tiles", "forward_split_combine", "decode_row",
-                        "decode_tiles", "forward_bf16x3", "forward_bf16x3_long", "forward_pack_bf16x3")
+                        "decode_tiles", "forward_bf16x3", "forward_bf16x3_long", "forward_pack_bf16x3",
+                        "backward_bf16x3_fused", "backward_bf16x3_dkdv", "backward_bf16x3_dq", "backward_pack_bf16x3")
 # in every module that runs on AMX tiles (`forward_pack` also in those whose bf16 kernels take
 # avx512_bf16's pair products instead: see uses_amx)
 AMX_KERNELS = ("forward_pack", "decode_tiles", "forward_split_tiles", "forward_bf16x3")

@@ -246,9 +246,10 @@ def _forward(q, k, v, mask, scale, causal, window=(-1, -1), softcap=0.0, alibi_s
 
 
 def _takes_bf16x3(kern: dict, q: torch.Tensor) -> bool:
-    """Whether an fp32 forward runs as bf16x3 (schedules/amx_forward.py: each fp32 operand as two
-    bf16, three products a product, ~16 mantissa bits): where the module has that kernel (AMX
-    CPUs) and torch's float32 matmul precision is "high" or "medium"
+    """Whether an fp32 forward or backward runs as bf16x3 (schedules/amx_forward.py,
+    amx_backward.py: each fp32 operand as two bf16, three products a product, ~17 mantissa
+    bits): where the module has those kernels (AMX CPUs) and torch's float32 matmul precision
+    is "high" or "medium"
     (torch.set_float32_matmul_precision: "high" allows "the sum of two bfloat16 numbers"; the
     default "highest" keeps the fp32 FMA kernels)."""
     return q.dtype == torch.float32 and "forward_bf16x3" in kern and torch.get_float32_matmul_precision() != "highest"
@@ -679,33 +680,39 @@ def _backward_cpu(kern, dout, q, k, v, out, lse, dlse, mod_args, scale, dq, dk, 
     if dlse is not None:
         delta.sub_(dlse)
     inputs = (q, k, v, dout, lse, delta)
-    packs = _amx_backward_packs(kern, q, k, v, dout)
+    family = "backward_bf16x3" if _takes_bf16x3(kern, q) else "backward"
+    packs = _amx_backward_packs(kern, q, k, v, dout, family)
     if backward_plan(B, k.shape[1]) == "fused":
         # fp32 dQ scratch: (B, H, D, Lq padded) = dQ^T on the AMX path, else dQ's shape
         dq_acc = _scratch("dq_acc", (B, H, q.shape[3], packs[3].shape[3]), torch.float32, tile_rows=True) if packs \
             else _scratch("dq_acc", tuple(q.shape), torch.float32)
-        kern["backward_fused"](*inputs, dk, dv, dq, dq_acc, scale, *mod_args, *packs)
+        kern[f"{family}_fused"](*inputs, dk, dv, dq, dq_acc, scale, *mod_args, *packs)
     else:
-        kern["backward_dkdv"](*inputs, dk, dv, scale, *mod_args, *packs)
-        kern["backward_dq"](*inputs, dq, scale, *mod_args, *packs)
+        kern[f"{family}_dkdv"](*inputs, dk, dv, scale, *mod_args, *packs)
+        kern[f"{family}_dq"](*inputs, dq, scale, *mod_args, *packs)
 
 
-def _amx_backward_packs(kern: dict, q, k, v, dout) -> tuple:
+def _amx_backward_packs(kern: dict, q, k, v, dout, family: str = "backward") -> tuple:
     """The AMX backward's operands (schedules/amx_backward.py): K, V, K^T rows and Q, dO as
-    VNNI pairs over the head dim and over queries, zero-padded; built once per call."""
-    if "backward_pack" not in kern:
+    VNNI pairs over the head dim and over queries, zero-padded; built once per call. `family`
+    "backward_bf16x3": fp32 inputs' bf16x3 packs, each SPLIT_SEGMENTS times as long along its
+    GEMM's contraction (amx_backward.Packs)."""
+    pack = "backward_pack_bf16x3" if family == "backward_bf16x3" else "backward_pack"
+    if pack not in kern:
         return ()
     from .schedules.avx512 import AMX_KV_PAD as pad
+    from .schedules.avx512 import SPLIT_SEGMENTS
 
+    S = SPLIT_SEGMENTS if family == "backward_bf16x3" else 1
     B, H, Lq, D = q.shape
     Hk, Lk = k.shape[1], k.shape[2]
     Lqp, Lkp = _amx_padded(Lq, pad), _amx_padded(Lk, pad)
-    rows = [_scratch(f"bwd_rows{i}", (B, Hk, Lkp, D), k.dtype) for i in range(2)]
-    kt = _scratch("bwd_kt", (B, Hk, D, Lkp), k.dtype, tile_rows=True)
-    over_d = [_scratch(f"bwd_over_d{i}", (B, H, D // 2, Lqp), torch.uint32, tile_rows=True) for i in range(2)]
-    over_q = [_scratch(f"bwd_over_q{i}", (B, H, Lqp // 2, D), torch.uint32) for i in range(2)]
+    rows = [_scratch(f"bwd_rows{i}", (B, Hk, Lkp, S * D), torch.bfloat16) for i in range(2)]
+    kt = _scratch("bwd_kt", (B, Hk, D, S * Lkp), torch.bfloat16, tile_rows=True)
+    over_d = [_scratch(f"bwd_over_d{i}", (B, H, S * D // 2, Lqp), torch.uint32, tile_rows=True) for i in range(2)]
+    over_q = [_scratch(f"bwd_over_q{i}", (B, H, S * Lqp // 2, D), torch.uint32) for i in range(2)]
     packs = (*rows, kt, *over_d, *over_q)
-    kern["backward_pack"](q, k, v, dout, *packs)
+    kern[pack](q, k, v, dout, *packs)
     return packs
 
 
