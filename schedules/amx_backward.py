@@ -14,6 +14,10 @@ matmuls of a (kv-block, q-block) step run on AMX tiles, on S^T-shaped (keys x qu
 With dropout, dV takes (P Z)^T and dS = P (dP Z - delta), Z^T the step's factors
 (`amx.dropout_tile_16`, S^T-shaped).
 
+An fp32 spec gives the bf16x3 backward (precision "high", as `amx_forward.py`): every GEMM's
+contraction in three segments, [hi | hi | lo] . [hi; lo; hi], the packs from
+`backward_bf16x3_pack_kernel` (`Packs`), P^T / dS^T split per step.
+
 `backward_amx_pack_kernel` writes the seven packed operands once per call, zero-padded to a
 multiple of `pad` rows, so tile loads stay in bounds and padded rows contribute exactly 0. The
 fused plan accumulates dQ^T in an fp32 (B, H, D, Lq_padded) scratch owned by its task. Q is not

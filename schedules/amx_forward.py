@@ -22,6 +22,13 @@ faster: the tile side is bound by its loads and stores, which the vector side sh
 from its Philox words, 16 calls a vector, into an S^T-shaped tile (`amx.dropout_tile_16`), and
 P is multiplied by them where it is packed for P.V; the row sums take the undropped P.
 
+**fp32 as bf16x3** (torch's float32 matmul precision "high"; `bf16x3_supported`): the same
+kernel on an fp32 spec splits each operand into bf16 hi + lo (`amx.split_bf16`) and runs both
+GEMMs over a contraction three segments long, A [hi | hi | lo] . B [hi; lo; hi] (`amx.A_PARTS`,
+`B_PARTS`): K's rows and each kv block's V^T columns from `forward_bf16x3_pack_kernel`, Q's
+pairs per task, P's pairs per block; fp32 outputs. Xeon, 16 threads: 1.47x torch's fp32 SDPA
+forward (geomean, L {1k, 4k}, D {64, 128}; benchmarks/results/cpu-xeon-16core-fp32-high.json).
+
 `forward_amx_pack_kernel` writes K (zero-padded rows) and V^T (zero-padded columns) once per
 (batch, kv-head), padded to a multiple of `kv_pad` keys (the caller allocates them), so every
 tile load is in bounds and padded keys give exactly 0 (their probabilities are set to 0).

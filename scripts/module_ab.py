@@ -6,6 +6,7 @@ the folders together on the machine that runs them (TVM's runtime is enough ther
 
     python scripts/module_ab.py build DIR SPEC [--target cuda|avx512|host] [--knobs JSON]   # SPEC: presets.parse_spec's
     python scripts/module_ab.py run DIR_A DIR_B ... [--shape B,L,H,D] [--kwargs JSON] [--plain] [--out F.jsonl]
+                                   [--fp32-precision high]   # inputs of the folders' spec's dtype
 
 `--kwargs`: flash_attn_func's keywords for the call (e.g. '{"softcap": 30.0}'; "alibi_slopes":
 true passes random slopes), which must select the folders' spec. `--plain` also times the call
@@ -25,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import tvmflash  # noqa: E402
 from tvmflash import build, ops  # noqa: E402
-from tvmflash.bench import _interleaved_median_ms, machine_info  # noqa: E402
+from tvmflash.bench import _interleaved_median_ms, float32_matmul_precision, machine_info  # noqa: E402
 from tvmflash.presets import parse_spec  # noqa: E402
 from tvmflash.spec import AttentionSpec  # noqa: E402
 
@@ -58,7 +59,7 @@ def spec_of(folder: Path) -> AttentionSpec:
 
 def run(folders: list[Path], shape: tuple, kwargs: dict, plain: bool, out: Path | None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16
+    dtype = getattr(torch, spec_of(folders[0]).dtype)
     batch, seqlen, heads, head_dim = shape
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v, dout = (torch.randn(batch, seqlen, heads, head_dim, device=device, dtype=dtype, generator=g)
@@ -108,7 +109,7 @@ def run(folders: list[Path], shape: tuple, kwargs: dict, plain: bool, out: Path 
         fn()
     iters = 3 if device.type == "cuda" else 1
     ms = _interleaved_median_ms(fns, rounds=7, iters=iters, device=device.type)
-    row = {"spec": spec.name, "shape": shape,
+    row = {"spec": spec.name, "shape": shape, "fp32_matmul_precision": torch.get_float32_matmul_precision(),
            "kwargs": {name: value for name, value in kwargs.items() if not torch.is_tensor(value)},
            "ms": ms, "max_diff_vs_first": diffs,
            "speedup": {p: {n: ms[f"{first} {p}"] / ms[f"{n} {p}"] for n in modules} for p in ("fwd", "fwd+bwd")}}
@@ -134,11 +135,15 @@ def main() -> None:
     r.add_argument("--kwargs", default="{}", help="flash_attn_func keywords (JSON)")
     r.add_argument("--plain", action="store_true", help="also time the call without the variant")
     r.add_argument("--out", type=Path)
+    r.add_argument("--fp32-precision", choices=("highest", "high", "medium"),
+                   help="torch.set_float32_matmul_precision for the run (fp32 on AMX: 'high' takes the bf16x3 kernels)")
     args = parser.parse_args()
     if args.command == "build":
         build_into(args.folder, parse_spec(args.spec), TARGETS[args.target](), json.loads(args.knobs))
     else:
-        run(args.folders, tuple(int(x) for x in args.shape.split(",")), json.loads(args.kwargs), args.plain, args.out)
+        with float32_matmul_precision(args.fp32_precision):
+            run(args.folders, tuple(int(x) for x in args.shape.split(",")), json.loads(args.kwargs), args.plain,
+                args.out)
 
 
 if __name__ == "__main__":
