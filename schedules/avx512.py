@@ -58,8 +58,11 @@ AMX_LONG_MIN_QUERIES = 256  # fewer queries (chunked prefill on a long cache) wo
 # 32 zmm registers: register tiles of up to 8 x 2 (or 4 x 4) accumulators
 DEFAULTS = {
     "block_q": 64, "block_k": 64, "long_block_q": 256, "bwd_block_q": 64, "bwd_block_k": 64,
+    # bf16x3 (fp32 under precision "high"): Xeon, same process, fwd+bwd against 64 x 64 backward
+    # blocks: 64 x 128 1.17x / 1.07x at D=128 L=4096 / 1024, 1.11x / 1.08x at D=64; 128 x 128,
+    # 64 x 256, 32 x 128 within 4% of it (benchmarks/results/cpu-xeon-16core-fp32-high-blocks-ab.jsonl)
     "bf16x3_block_q": 64, "bf16x3_block_k": 128, "bf16x3_long_block_q": 256, "bf16x3_bwd_block_q": 64,
-    "bf16x3_bwd_block_k": 64,
+    "bf16x3_bwd_block_k": 128,
     **{f"{k}.{m}.rows": 8 for k, m in (("forward", "qk"), ("forward", "pv"), ("backward_dq", "qk"),
                                       ("backward_dq", "dp"), ("backward_dq", "dq"))},
     **{f"{k}.{m}.rows": 8 for k in ("backward_dkdv", "backward_fused") for m in ("qk", "dp", "dv", "dk", "dq")},
