@@ -51,6 +51,11 @@ AMX_KV_PAD = 256  # packed K / V^T rows per (batch, kv-head) are a multiple of t
 # bf16, 256-key blocks, same process: L = 2048 D = 128 (1 MiB) 1.07-1.11x faster with 256-row
 # q-blocks, L = 4096 1.09-1.13x; below, 64 rows are as fast or faster: L = 1024 D = 64 1.06x.)
 AMX_LONG_KV_BYTES = 1 << 20
+# The bf16x3 forward (fp32 under precision "high") takes its long-key kernel from this many keys
+# (its packs are 3x the bf16 ones, and its tiles 3x the work a byte). Xeon, same process, kernel
+# against kernel, the long one's time over the short one's: 0.94 / 0.98 at 4096 keys (D 64 /
+# 128), 0.99 / 1.02 at 2048, 1.02 / 1.04 at 1024 (results/cpu-xeon-16core-fp32-high-long-kernel.jsonl)
+AMX_BF16X3_LONG_KEYS = 4096
 SPLIT_SEGMENTS = 3  # an fp32 operand's bf16 segments in the bf16x3 forward ([hi | hi | lo]: amx.split_bf16)
 AMX_LONG_MIN_QUERIES = 256  # fewer queries (chunked prefill on a long cache) would mostly fill
 # `forward_long`'s q-blocks with padding rows, whose tile work costs as much as real ones

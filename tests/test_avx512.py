@@ -396,15 +396,20 @@ def check_high_precision(q, k, v, dout, run, monkeypatch, causal="none", mask=No
 
 
 @pytest.mark.parametrize("d,causal", [(64, False), (128, True)], ids=str)
-@pytest.mark.parametrize("lq,lk", [s for s in SHAPES if s[0] > 16] + [(300, 2100)], ids=str)
+@pytest.mark.parametrize("lq,lk", [s for s in SHAPES if s[0] > 16] + [(300, 4100)], ids=str)
 def test_fp32_high_precision_forward(d, causal, lq, lk, bf16_unit, precision_high, monkeypatch):
     """fp32 under torch's float32 matmul precision "high": the bf16x3 forward and backward
     (schedules/amx_forward.py, amx_backward.py on fp32 specs) on both matrix units; GQA,
-    strided (B, L, H, D) views, causal with Lq != Lk and fully masked rows, 300 x 2100 on
+    strided (B, L, H, D) views, causal with Lq != Lk and fully masked rows, 300 x 4100 on
     `forward_bf16x3_long`. (Decode-like
     calls, Lq <= host.SPLIT_MAX_Q, keep the split-KV FMA kernels: memory-bound.)"""
     h, hk = [(4, 2), (6, 1), (3, 3)][(lq + d) % 3]
+    from tvmflash import ops
+
     q, k, v, dout = make(2, h, hk, lq, lk, d, torch.float32, seed=lq * lk)
+    kernels = ops._kernels(AttentionSpec("float32", d, causal="bottom_right" if causal else "none"), torch.device("cpu"))
+    long_keys = ops._forward_kernel_name(kernels, q, k, family="forward_bf16x3") == "forward_bf16x3_long"
+    assert long_keys == (lk > 4096)
     check_high_precision(q, k, v, dout, flash_run(causal), monkeypatch, causal="bottom_right" if causal else "none")
 
 

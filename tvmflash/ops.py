@@ -259,17 +259,19 @@ def _forward_kernel_name(kern: dict, q: torch.Tensor, k: torch.Tensor, window: t
                          causal: bool = False, family: str = "forward") -> str:
     """CUDA: "forward_short" for short sliding windows where the module has it
     (schedules/cuda_kernels.py). CPU: "<family>_long" (AMX: taller q-blocks) where a kv-head's
-    packed K and V^T outgrow a core's L2 and there are queries enough to fill its q-blocks
-    (`family` "forward_bf16x3": the fp32 packs, three bf16 a value). Else `family`."""
+    packed K and V^T outgrow a core's L2 (`family` "forward_bf16x3": from AMX_BF16X3_LONG_KEYS
+    keys) and there are queries enough to fill its q-blocks. Else `family`."""
     if "forward_short" in kern:
         return _cuda_forward_name(window, causal)
     if f"{family}_long" not in kern:
         return family
-    from .schedules.avx512 import AMX_KV_PAD, AMX_LONG_KV_BYTES, AMX_LONG_MIN_QUERIES, SPLIT_SEGMENTS
+    from .schedules.avx512 import AMX_BF16X3_LONG_KEYS, AMX_KV_PAD, AMX_LONG_KV_BYTES, AMX_LONG_MIN_QUERIES
 
-    pack_element_bytes = 2 * SPLIT_SEGMENTS if family == "forward_bf16x3" else k.element_size()
-    pack_bytes = 2 * _amx_padded(k.shape[2], AMX_KV_PAD) * k.shape[3] * pack_element_bytes
-    long_keys = pack_bytes >= AMX_LONG_KV_BYTES
+    keys = _amx_padded(k.shape[2], AMX_KV_PAD)
+    if family == "forward_bf16x3":
+        long_keys = keys >= AMX_BF16X3_LONG_KEYS
+    else:
+        long_keys = 2 * keys * k.shape[3] * k.element_size() >= AMX_LONG_KV_BYTES
     return f"{family}_long" if long_keys and q.shape[2] >= AMX_LONG_MIN_QUERIES else family
 
 
