@@ -27,6 +27,9 @@ specs |= {AttentionSpec(NAMES[dt], 64, causal="top_left" if c else "none", mask=
 specs |= {AttentionSpec("bfloat16", 128, causal="bottom_right"), AttentionSpec("bfloat16", 64)}  # decode, path
 specs |= {AttentionSpec(dt, d) for dt in ("float32", "bfloat16") for d in (64, 128)}  # benchmark
 specs |= amx_variant_specs() | {HIGH_VARIANT_SPEC}  # the AMX variant, dropout and bf16x3 tests
+specs |= {AttentionSpec("bfloat16", d, kv_cache=True) for d in (64, 128)}  # the KV cache decode tests
+specs |= {AttentionSpec("bfloat16", 128, causal=causal, variants=variants, kv_cache=True)
+          for causal, variants in (("bottom_right", ("window",)), ("none", ("softcap",)), ("none", ("alibi",)))}
 sys.path.insert(0, str(ROOT / "scripts"))
 from variants_bench import specs as bench_variant_specs  # noqa: E402
 
