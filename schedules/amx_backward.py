@@ -16,7 +16,7 @@ With dropout, dV takes (P Z)^T and dS = P (dP Z - delta), Z^T the step's factors
 
 An fp32 spec gives the bf16x3 backward (precision "high", as `amx_forward.py`): every GEMM's
 contraction in three segments, [hi | hi | lo] . [hi; lo; hi], the packs from
-`backward_bf16x3_pack_kernel` (`Packs`), P^T / dS^T split per step.
+`backward_amx_pack_kernel` (`Packs`), P^T / dS^T split per step.
 
 `backward_amx_pack_kernel` writes the seven packed operands once per call, zero-padded to a
 multiple of `pad` rows, so tile loads stay in bounds and padded rows contribute exactly 0. The
@@ -39,7 +39,7 @@ from .amx import (BF16, PAIR, TILES, MatrixUnit, amx_dropout_buffers, bf16_pairs
 from .amx_forward import (amx_supported, bf16x3_supported, dropped, modified, odd_tanh, segments_of, small_limit,
                           small_scores, tanh_16, tanh_coefficients, z_rows)
 
-__all__ = ["amx_supported", "backward_amx_pack_kernel", "backward_amx_kernel", "backward_bf16x3_pack_kernel"]
+__all__ = ["amx_supported", "backward_amx_pack_kernel", "backward_amx_kernel"]
 
 
 class Packs:
@@ -64,17 +64,20 @@ class Packs:
         self.doq = args.tensor("doq", (B, H, S * LQP // 2, D), PAIR)
 
 
-def backward_amx_pack_kernel(spec, pad: int) -> tirx.PrimFunc:
-    """The seven packed operands of one backward call (zero past Lq / Lk), from q, k, v, dO."""
-    D = spec.head_dim
+def backward_amx_pack_kernel(spec, pad: int, block_q: int = 0, block_k: int = 0) -> tirx.PrimFunc:
+    """The seven packed operands of one backward call (`Packs`; zero past Lq / Lk), from q, k,
+    v, dO: `backward_pack`. For an fp32 spec (the bf16x3 backward, `backward_pack_bf16x3`)
+    their bf16x3 segments; K^T's and the pairs over queries' follow the backward's `block_k` and
+    `block_q`."""
+    D, S = spec.head_dim, segments_of(spec)
     shape = Shape.fresh()
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
     args = KernelArgs()
     CH = 32  # rows per task
-    assert pad % CH == 0
+    assert pad % CH == 0 and (S == 1 or (block_q % CH == 0 and block_k % CH == 0 and D % 32 == 0))
 
     def declare():
-        q, k, v, do = (args.tensor(name, (B, heads, length, D), BF16)
+        q, k, v, do = (args.tensor(name, (B, heads, length, D), spec.dtype)
                        for name, heads, length in (("q", H, LQ), ("k", HK, LK), ("v", HK, LK), ("do", H, LQ)))
         return q, k, v, do, Packs(spec, shape, args, tirx.Var("seqlen_q_padded", "int64"))
 
@@ -89,47 +92,82 @@ def backward_amx_pack_kernel(spec, pad: int) -> tirx.PrimFunc:
                 vh = T.axis.spatial(HK, t // NKC % HK)
                 vc = T.axis.spatial(NKC, t % NKC)
                 j0 = T.meta_var(vc * CH)
-                key = T.meta_var(lambda j: T.min(j0 + j, LK - 1))
-                for j, d in T.grid(CH, D):
-                    with T.sblock("pack_kv"):
-                        vj, vd = T.axis.remap("SS", [j, d])
-                        P.kp[vb, vh, j0 + vj, vd] = T.Select(j0 + vj < LK, K[vb, vh, key(vj), vd], T.bfloat16(0))
-                        P.vp[vb, vh, j0 + vj, vd] = T.Select(j0 + vj < LK, V[vb, vh, key(vj), vd], T.bfloat16(0))
-                for p in T.serial(D // 2):
-                    with T.sblock("pack_kT"):
-                        vp = T.axis.remap("S", [p])
-                        T.reads(K[vb, vh, 0:LK, vp * 2:vp * 2 + 2])
-                        T.writes(P.kt[vb, vh, vp * 2:vp * 2 + 2, j0:j0 + CH])
-                        store_word_halves(P.kt, vb, vh, vp, j0, word_column(K, vb, vh, j0, vp, LK))
+                if S == 1:
+                    key = T.meta_var(lambda j: T.min(j0 + j, LK - 1))
+                    for j, d in T.grid(CH, D):
+                        with T.sblock("pack_kv"):
+                            vj, vd = T.axis.remap("SS", [j, d])
+                            P.kp[vb, vh, j0 + vj, vd] = T.Select(j0 + vj < LK, K[vb, vh, key(vj), vd], T.bfloat16(0))
+                            P.vp[vb, vh, j0 + vj, vd] = T.Select(j0 + vj < LK, V[vb, vh, key(vj), vd], T.bfloat16(0))
+                    for p in T.serial(D // 2):
+                        with T.sblock("pack_kT"):
+                            vp = T.axis.remap("S", [p])
+                            T.reads(K[vb, vh, 0:LK, vp * 2:vp * 2 + 2])
+                            T.writes(P.kt[vb, vh, vp * 2:vp * 2 + 2, j0:j0 + CH])
+                            store_word_halves(P.kt, vb, vh, vp, j0, word_column(K, vb, vh, j0, vp, LK))
+                else:
+                    for j, c in T.grid(CH, D // 32):
+                        with T.sblock("pack_kv_split"):
+                            vj, vcc = T.axis.remap("SS", [j, c])
+                            T.reads(K[vb, vh, T.min(j0 + vj, LK - 1), vcc * 32:vcc * 32 + 32],
+                                    V[vb, vh, T.min(j0 + vj, LK - 1), vcc * 32:vcc * 32 + 32])
+                            T.writes(P.kp[vb, vh, j0 + vj, 0:S * D], P.vp[vb, vh, j0 + vj, 0:S * D])
+                            split_rows(((K, P.kp), (V, P.vp)), vb, vh, j0 + vj, vcc * 32, LK, D)
+                    col = T.meta_var(j0 // block_k * (S * block_k) + j0 % block_k)  # the chunk in its block's segments
+                    for d in T.serial(D):
+                        with T.sblock("pack_kT_split"):
+                            vd = T.axis.remap("S", [d])
+                            T.reads(K[vb, vh, 0:LK, vd])
+                            T.writes(P.kt[vb, vh, vd, 0:S * P.lkp])
+                            store_split_row(P.kt, lambda s: [vb, vh, vd, col + s * block_k],
+                                            fp32_column(K, vb, vh, j0, vd, LK))
         for t in T.parallel(B * H * NQC):
             with T.sblock("q_rows"):
                 vb = T.axis.spatial(B, t // (H * NQC))
                 vh = T.axis.spatial(H, t // NQC % H)
                 vc = T.axis.spatial(NQC, t % NQC)
                 i0 = T.meta_var(vc * CH)
-                row = T.meta_var(lambda i: T.min(i0 + i, LQ - 1))
-                q_rows = T.sblock_alloc_buffer((1, 1, CH, D), "uint16")
-                do_rows = T.sblock_alloc_buffer((1, 1, CH, D), "uint16")
-                stage_rows(q_rows, Q, vb, vh, i0, LQ, CH, D)
-                stage_rows(do_rows, DO, vb, vh, i0, LQ, CH, D)
-                for p in T.serial(D // 2):
-                    with T.sblock("pack_qd"):
-                        vp = T.axis.remap("S", [p])
-                        T.reads(q_rows[0, 0, 0:CH, vp * 2:vp * 2 + 2], do_rows[0, 0, 0:CH, vp * 2:vp * 2 + 2])
-                        T.writes(P.qd[vb, vh, vp, i0:i0 + CH], P.dod[vb, vh, vp, i0:i0 + CH])
-                        store_words(P.qd, [vb, vh, vp], i0, word_column(q_rows, 0, 0, 0, vp, CH))
-                        store_words(P.dod, [vb, vh, vp], i0, word_column(do_rows, 0, 0, 0, vp, CH))
-                for r, d in T.grid(CH // 2, D):
-                    with T.sblock("pack_qq"):
-                        vr, vd = T.axis.remap("SS", [r, d])
-                        P.qq[vb, vh, i0 // 2 + vr, vd] = T.Select(
-                            i0 + 2 * vr < LQ, pair_bits(Q[vb, vh, row(2 * vr), vd], Q[vb, vh, row(2 * vr + 1), vd]) &
-                            T.Select(i0 + 2 * vr + 1 < LQ, T.uint32(0xFFFFFFFF), T.uint32(0xFFFF)), T.uint32(0))
-                        P.doq[vb, vh, i0 // 2 + vr, vd] = T.Select(
-                            i0 + 2 * vr < LQ, pair_bits(DO[vb, vh, row(2 * vr), vd], DO[vb, vh, row(2 * vr + 1), vd]) &
-                            T.Select(i0 + 2 * vr + 1 < LQ, T.uint32(0xFFFFFFFF), T.uint32(0xFFFF)), T.uint32(0))
+                if S == 1:
+                    row = T.meta_var(lambda i: T.min(i0 + i, LQ - 1))
+                    q_rows = T.sblock_alloc_buffer((1, 1, CH, D), "uint16")
+                    do_rows = T.sblock_alloc_buffer((1, 1, CH, D), "uint16")
+                    stage_rows(q_rows, Q, vb, vh, i0, LQ, CH, D)
+                    stage_rows(do_rows, DO, vb, vh, i0, LQ, CH, D)
+                    for p in T.serial(D // 2):
+                        with T.sblock("pack_qd"):
+                            vp = T.axis.remap("S", [p])
+                            T.reads(q_rows[0, 0, 0:CH, vp * 2:vp * 2 + 2], do_rows[0, 0, 0:CH, vp * 2:vp * 2 + 2])
+                            T.writes(P.qd[vb, vh, vp, i0:i0 + CH], P.dod[vb, vh, vp, i0:i0 + CH])
+                            store_words(P.qd, [vb, vh, vp], i0, word_column(q_rows, 0, 0, 0, vp, CH))
+                            store_words(P.dod, [vb, vh, vp], i0, word_column(do_rows, 0, 0, 0, vp, CH))
+                    for r, d in T.grid(CH // 2, D):
+                        with T.sblock("pack_qq"):
+                            vr, vd = T.axis.remap("SS", [r, d])
+                            P.qq[vb, vh, i0 // 2 + vr, vd] = T.Select(
+                                i0 + 2 * vr < LQ, pair_bits(Q[vb, vh, row(2 * vr), vd], Q[vb, vh, row(2 * vr + 1), vd]) &
+                                T.Select(i0 + 2 * vr + 1 < LQ, T.uint32(0xFFFFFFFF), T.uint32(0xFFFF)), T.uint32(0))
+                            P.doq[vb, vh, i0 // 2 + vr, vd] = T.Select(
+                                i0 + 2 * vr < LQ, pair_bits(DO[vb, vh, row(2 * vr), vd], DO[vb, vh, row(2 * vr + 1), vd]) &
+                                T.Select(i0 + 2 * vr + 1 < LQ, T.uint32(0xFFFFFFFF), T.uint32(0xFFFF)), T.uint32(0))
+                else:
+                    for p in T.serial(D // 2):
+                        with T.sblock("pack_qd_split"):
+                            vp = T.axis.remap("S", [p])
+                            T.reads(Q[vb, vh, 0:LQ, vp * 2:vp * 2 + 2], DO[vb, vh, 0:LQ, vp * 2:vp * 2 + 2])
+                            T.writes(P.qd[vb, vh, 0:S * D // 2, i0:i0 + CH], P.dod[vb, vh, 0:S * D // 2, i0:i0 + CH])
+                            split_pairs_over_d(((Q, P.qd), (DO, P.dod)), vb, vh, vp, i0, LQ, D)
+                    # the chunk's pair rows in its q-block's segments
+                    row = T.meta_var(i0 // block_q * (S * block_q // 2) + i0 % block_q // 2)
+                    for r, c in T.grid(CH // 2, D // 16):
+                        with T.sblock("pack_qq_split"):
+                            vr, vcc = T.axis.remap("SS", [r, c])
+                            T.reads(Q[vb, vh, 0:LQ, vcc * 16:vcc * 16 + 16], DO[vb, vh, 0:LQ, vcc * 16:vcc * 16 + 16])
+                            T.writes(P.qq[vb, vh, 0:S * P.lqp // 2, vcc * 16:vcc * 16 + 16],
+                                     P.doq[vb, vh, 0:S * P.lqp // 2, vcc * 16:vcc * 16 + 16])
+                            split_pairs_over_queries(((Q, P.qq), (DO, P.doq)), vb, vh, row + vr, i0 + 2 * vr,
+                                                     vcc * 16, LQ, block_q)
 
-    return pack.with_attr("global_symbol", "backward_pack")
+    return pack.with_attr("global_symbol", "backward_pack_bf16x3" if S > 1 else "backward_pack")
 
 
 def split_rows(pairs, b, h, j, c0, rows, D: int) -> None:
@@ -153,73 +191,6 @@ def split_pairs_over_queries(pairs, b, h, row, i, c0, rows, block_q: int) -> Non
     for src, dst in pairs:
         store_split_pairs(dst, lambda s, _: [b, h, row + s * (block_q // 2), c0],
                           key_row(src, b, h, i, rows, c0, 16), key_row(src, b, h, i + 1, rows, c0, 16))
-
-
-def backward_bf16x3_pack_kernel(spec, pad: int, block_q: int, block_k: int) -> tirx.PrimFunc:
-    """`backward_pack_bf16x3`: the seven packed operands of an fp32 spec's bf16x3 backward
-    (`Packs`), from fp32 q, k, v, dO; K^T's and the pairs over queries' segments follow the
-    backward's `block_k` and `block_q`."""
-    D, S = spec.head_dim, segments_of(spec)
-    shape = Shape.fresh()
-    B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
-    args = KernelArgs()
-    CH = 32  # rows per task
-    assert pad % CH == 0 and block_q % CH == 0 and block_k % CH == 0 and D % 32 == 0
-
-    def declare():
-        q, k, v, do = (args.tensor(name, (B, heads, length, D), F32)
-                       for name, heads, length in (("q", H, LQ), ("k", HK, LK), ("v", HK, LK), ("do", H, LQ)))
-        return q, k, v, do, Packs(spec, shape, args, tirx.Var("seqlen_q_padded", "int64"))
-
-    @T.prim_func(s_tir=True)
-    def pack():
-        T.func_attr({"tirx.noalias": True})
-        Q, K, V, DO, P = T.meta_var(declare())
-        NKC, NQC = T.meta_var((P.lkp // CH, P.lqp // CH))
-        for t in T.parallel(B * HK * NKC):
-            with T.sblock("kv_rows"):
-                vb = T.axis.spatial(B, t // (HK * NKC))
-                vh = T.axis.spatial(HK, t // NKC % HK)
-                vc = T.axis.spatial(NKC, t % NKC)
-                j0 = T.meta_var(vc * CH)
-                for j, c in T.grid(CH, D // 32):
-                    with T.sblock("pack_kv_split"):
-                        vj, vcc = T.axis.remap("SS", [j, c])
-                        T.reads(K[vb, vh, T.min(j0 + vj, LK - 1), vcc * 32:vcc * 32 + 32],
-                                V[vb, vh, T.min(j0 + vj, LK - 1), vcc * 32:vcc * 32 + 32])
-                        T.writes(P.kp[vb, vh, j0 + vj, 0:S * D], P.vp[vb, vh, j0 + vj, 0:S * D])
-                        split_rows(((K, P.kp), (V, P.vp)), vb, vh, j0 + vj, vcc * 32, LK, D)
-                col = T.meta_var(j0 // block_k * (S * block_k) + j0 % block_k)  # the chunk in its block's segments
-                for d in T.serial(D):
-                    with T.sblock("pack_kT_split"):
-                        vd = T.axis.remap("S", [d])
-                        T.reads(K[vb, vh, 0:LK, vd])
-                        T.writes(P.kt[vb, vh, vd, 0:S * P.lkp])
-                        store_split_row(P.kt, lambda s: [vb, vh, vd, col + s * block_k], fp32_column(K, vb, vh, j0, vd, LK))
-        for t in T.parallel(B * H * NQC):
-            with T.sblock("q_rows"):
-                vb = T.axis.spatial(B, t // (H * NQC))
-                vh = T.axis.spatial(H, t // NQC % H)
-                vc = T.axis.spatial(NQC, t % NQC)
-                i0 = T.meta_var(vc * CH)
-                for p in T.serial(D // 2):
-                    with T.sblock("pack_qd_split"):
-                        vp = T.axis.remap("S", [p])
-                        T.reads(Q[vb, vh, 0:LQ, vp * 2:vp * 2 + 2], DO[vb, vh, 0:LQ, vp * 2:vp * 2 + 2])
-                        T.writes(P.qd[vb, vh, 0:S * D // 2, i0:i0 + CH], P.dod[vb, vh, 0:S * D // 2, i0:i0 + CH])
-                        split_pairs_over_d(((Q, P.qd), (DO, P.dod)), vb, vh, vp, i0, LQ, D)
-                # the chunk's pair rows in its q-block's segments
-                row = T.meta_var(i0 // block_q * (S * block_q // 2) + i0 % block_q // 2)
-                for r, c in T.grid(CH // 2, D // 16):
-                    with T.sblock("pack_qq_split"):
-                        vr, vcc = T.axis.remap("SS", [r, c])
-                        T.reads(Q[vb, vh, 0:LQ, vcc * 16:vcc * 16 + 16], DO[vb, vh, 0:LQ, vcc * 16:vcc * 16 + 16])
-                        T.writes(P.qq[vb, vh, 0:S * P.lqp // 2, vcc * 16:vcc * 16 + 16],
-                                 P.doq[vb, vh, 0:S * P.lqp // 2, vcc * 16:vcc * 16 + 16])
-                        split_pairs_over_queries(((Q, P.qq), (DO, P.doq)), vb, vh, row + vr, i0 + 2 * vr, vcc * 16, LQ,
-                                                 block_q)
-
-    return pack.with_attr("global_symbol", "backward_pack_bf16x3")
 
 
 def step_index(b, h, q0, k0, i, j, LQ, LK, masked: bool) -> ScoreIndex:
@@ -422,7 +393,7 @@ def backward_amx_kernel(spec, block_q: int, block_k: int, plan: str, unit: Matri
     "dkdv": one task per (batch, kv-head, kv-block), dK and dV (<family>_dkdv); "dq": one task
     per (batch, head, q-block), dQ (<family>_dq). Arguments as the generic kernels' (the fused
     plan's fp32 scratch is dQ^T: (B, H, D, Lq_padded)), then the packs. An fp32 spec gives the
-    bf16x3 backward (`backward_bf16x3_pack_kernel`'s packs, every GEMM's contraction in S
+    bf16x3 backward (`backward_amx_pack_kernel`'s packs, every GEMM's contraction in S
     segments, the step's P^T / dS^T operands split likewise)."""
     assert amx_supported(spec) or bf16x3_supported(spec)
     assert block_q % 32 == 0 and block_k % 32 == 0 and plan in ("fused", "dkdv", "dq")

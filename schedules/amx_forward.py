@@ -25,7 +25,7 @@ P is multiplied by them where it is packed for P.V; the row sums take the undrop
 **fp32 as bf16x3** (torch's float32 matmul precision "high"; `bf16x3_supported`): the same
 kernel on an fp32 spec splits each operand into bf16 hi + lo (`amx.split_bf16`) and runs both
 GEMMs over a contraction three segments long, A [hi | hi | lo] . B [hi; lo; hi] (`amx.A_PARTS`,
-`B_PARTS`): K's rows and each kv block's V^T columns from `forward_bf16x3_pack_kernel`, Q's
+`B_PARTS`): K's rows and each kv block's V^T columns from `forward_amx_pack_kernel`, Q's
 pairs per task, P's pairs per block; fp32 outputs. Xeon, 16 threads: 1.47x torch's fp32 SDPA
 forward (geomean, L {1k, 4k}, D {64, 128}; benchmarks/results/cpu-xeon-16core-fp32-high.json).
 
@@ -426,24 +426,28 @@ def store_output_row(o, row_at: list, accT, i, d0, inv_l, acc_row_bytes: int) ->
         store_bf16_row(o, [*row_at, d0], lo, hi)
 
 
-def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int, with_k: bool = True) -> tirx.PrimFunc:
-    """kp[b, h, j, d] = K (0 past Lk), vt[b, h, d, j] = V^T (0 past Lk), j < padded length:
-    `forward_pack` (k, v, kp, vt). Without `with_k`, V^T only: `forward_pack_vt` (v, vt), for
-    keys that need no padding, whose K the forward's tile loads read in place (any row
-    stride)."""
-    D = spec.head_dim
+def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int, with_k: bool = True, block_k: int = 0) -> tirx.PrimFunc:
+    """The forward's K and V^T operands, once per call, 32 keys a task, 0 past Lk up to the
+    padded length (a multiple of `kv_pad`). bf16: kp[b, h, j, d] = K, vt[b, h, d, j] = V^T,
+    `forward_pack` (k, v, kp, vt); without `with_k` V^T only, `forward_pack_vt` (v, vt), for
+    keys that need no padding, whose K the forward's tile loads read in place (any row stride).
+    fp32 (the bf16x3 forward, `forward_pack_bf16x3` (k, v, kp, vt)): kp's rows K's [hi | hi |
+    lo] (3 head_dim bf16), vt's rows each kv block's `block_k` keys as [hi | hi | lo] (block kb's
+    segment s at columns 3 kb block_k + s block_k ..), so both GEMMs take their contraction 3x
+    as long in one pass."""
+    D, S = spec.head_dim, segments_of(spec)
     shape = Shape.fresh()
     B, HK, LK = shape.batch, shape.heads_k, shape.seqlen_k
     LKP = tirx.Var("seqlen_k_padded", "int64")
     args = KernelArgs()
     CH = 32  # keys per task
-    assert kv_pad % CH == 0
+    assert kv_pad % CH == 0 and (S == 1 or (with_k and block_k % CH == 0 and kv_pad % block_k == 0))
 
     def declare():
-        k = args.tensor("k", (B, HK, LK, D), BF16) if with_k else None
-        v = args.tensor("v", (B, HK, LK, D), BF16)
-        kp = args.tensor("kp", (B, HK, LKP, D), BF16) if with_k else None
-        vt = args.tensor("vt", (B, HK, D, LKP), BF16)
+        k = args.tensor("k", (B, HK, LK, D), spec.dtype) if with_k else None
+        v = args.tensor("v", (B, HK, LK, D), spec.dtype)
+        kp = args.tensor("kp", (B, HK, LKP, S * D), BF16) if with_k else None
+        vt = args.tensor("vt", (B, HK, D, S * LKP), BF16)
         return k, v, kp, vt
 
     @T.prim_func(s_tir=True)
@@ -457,80 +461,48 @@ def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int, with_k: bool = Tru
                 vh = T.axis.spatial(HK, t // NCH % HK)
                 vc = T.axis.spatial(NCH, t % NCH)
                 j0 = T.meta_var(vc * CH)
-                if with_k:
-                    for j, d in T.grid(CH, D):
-                        with T.sblock("pack_k"):
-                            vj, vd = T.axis.remap("SS", [j, d])
-                            KP[vb, vh, j0 + vj, vd] = T.Select(
-                                j0 + vj < LK, K[vb, vh, T.min(j0 + vj, LK - 1), vd], T.bfloat16(0))
-                stage = T.sblock_alloc_buffer((1, 1, CH, D), "uint16")
-                stage_rows(stage, V, vb, vh, j0, LK, CH, D)
-                for p in T.serial(D // 2):
-                    with T.sblock("pack_vT"):
-                        vp = T.axis.remap("S", [p])
-                        T.reads(stage[0, 0, 0:CH, vp * 2:vp * 2 + 2])
-                        T.writes(VT[vb, vh, vp * 2:vp * 2 + 2, j0:j0 + CH])
-                        store_word_halves(VT, vb, vh, vp, j0, word_column(stage, 0, 0, 0, vp, CH))
+                if S == 1:
+                    if with_k:
+                        for j, d in T.grid(CH, D):
+                            with T.sblock("pack_k"):
+                                vj, vd = T.axis.remap("SS", [j, d])
+                                KP[vb, vh, j0 + vj, vd] = T.Select(
+                                    j0 + vj < LK, K[vb, vh, T.min(j0 + vj, LK - 1), vd], T.bfloat16(0))
+                    stage = T.sblock_alloc_buffer((1, 1, CH, D), "uint16")
+                    stage_rows(stage, V, vb, vh, j0, LK, CH, D)
+                    for p in T.serial(D // 2):
+                        with T.sblock("pack_vT"):
+                            vp = T.axis.remap("S", [p])
+                            T.reads(stage[0, 0, 0:CH, vp * 2:vp * 2 + 2])
+                            T.writes(VT[vb, vh, vp * 2:vp * 2 + 2, j0:j0 + CH])
+                            store_word_halves(VT, vb, vh, vp, j0, word_column(stage, 0, 0, 0, vp, CH))
+                else:
+                    for j, c in T.grid(CH, D // 32):
+                        with T.sblock("pack_k_split"):
+                            vj, vcc = T.axis.remap("SS", [j, c])
+                            T.reads(K[vb, vh, T.min(j0 + vj, LK - 1), vcc * 32:vcc * 32 + 32])
+                            T.writes(KP[vb, vh, j0 + vj, 0:S * D])
+                            store_split_row(KP, lambda s: [vb, vh, j0 + vj, s * D + vcc * 32],
+                                            key_row(K, vb, vh, j0 + vj, LK, vcc * 32))
+                    # the chunk's columns in its kv block's segments
+                    col = T.meta_var(j0 // block_k * (S * block_k) + j0 % block_k)
+                    for d in T.serial(D):
+                        with T.sblock("pack_vt_split"):
+                            vd = T.axis.remap("S", [d])
+                            T.reads(V[vb, vh, 0:LK, vd])
+                            T.writes(VT[vb, vh, vd, 0:S * LKP])
+                            store_split_row(VT, lambda s: [vb, vh, vd, col + s * block_k],
+                                            fp32_column(V, vb, vh, j0, vd, LK))
 
-    return pack.with_attr("global_symbol", "forward_pack" if with_k else "forward_pack_vt")
-
-
-def forward_bf16x3_pack_kernel(spec: AttentionSpec, kv_pad: int, block_k: int) -> tirx.PrimFunc:
-    """The bf16x3 forward's operands from fp32 K and V (`forward_pack_bf16x3` (k, v, kp, vt)):
-    kp[b, h, j] = K's row j as [hi | hi | lo] (3 head_dim bf16), vt[b, h, d] = V^T's row d with
-    each kv block's `block_k` keys as three segments [hi | hi | lo] (block kb's segment s at
-    columns 3 kb block_k + s block_k ..), so that both GEMMs take their contraction 3x as long in
-    one pass; 0 past Lk, lengths padded to a multiple of `kv_pad`."""
-    D = spec.head_dim
-    shape = Shape.fresh()
-    B, HK, LK = shape.batch, shape.heads_k, shape.seqlen_k
-    LKP = tirx.Var("seqlen_k_padded", "int64")
-    args = KernelArgs()
-    CH = 32  # keys per task
-    assert kv_pad % block_k == 0 and block_k % CH == 0 and D % 32 == 0
-
-    def declare():
-        k = args.tensor("k", (B, HK, LK, D), F32)
-        v = args.tensor("v", (B, HK, LK, D), F32)
-        kp = args.tensor("kp", (B, HK, LKP, SPLIT_SEGMENTS * D), BF16)
-        vt = args.tensor("vt", (B, HK, D, SPLIT_SEGMENTS * LKP), BF16)
-        return k, v, kp, vt
-
-    @T.prim_func(s_tir=True)
-    def pack():
-        T.func_attr({"tirx.noalias": True})
-        K, V, KP, VT = T.meta_var(declare())
-        NCH = T.meta_var(LKP // CH)
-        for t in T.parallel(B * HK * NCH):
-            with T.sblock("tile"):
-                vb = T.axis.spatial(B, t // (HK * NCH))
-                vh = T.axis.spatial(HK, t // NCH % HK)
-                vc = T.axis.spatial(NCH, t % NCH)
-                j0 = T.meta_var(vc * CH)
-                for j, c in T.grid(CH, D // 32):
-                    with T.sblock("pack_k_split"):
-                        vj, vcc = T.axis.remap("SS", [j, c])
-                        T.reads(K[vb, vh, T.min(j0 + vj, LK - 1), vcc * 32:vcc * 32 + 32])
-                        T.writes(KP[vb, vh, j0 + vj, 0:SPLIT_SEGMENTS * D])
-                        store_split_row(KP, lambda s: [vb, vh, j0 + vj, s * D + vcc * 32],
-                                        key_row(K, vb, vh, j0 + vj, LK, vcc * 32))
-                # the chunk's columns in its kv block's segments
-                col = T.meta_var(j0 // block_k * (SPLIT_SEGMENTS * block_k) + j0 % block_k)
-                for d in T.serial(D):
-                    with T.sblock("pack_vt_split"):
-                        vd = T.axis.remap("S", [d])
-                        T.reads(V[vb, vh, 0:LK, vd])
-                        T.writes(VT[vb, vh, vd, 0:SPLIT_SEGMENTS * LKP])
-                        store_split_row(VT, lambda s: [vb, vh, vd, col + s * block_k], fp32_column(V, vb, vh, j0, vd, LK))
-
-    return pack.with_attr("global_symbol", "forward_pack_bf16x3")
+    name = "forward_pack_bf16x3" if S > 1 else "forward_pack" if with_k else "forward_pack_vt"
+    return pack.with_attr("global_symbol", name)
 
 
 def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: int,
                        name: str = "forward", unit: MatrixUnit = TILES) -> tirx.PrimFunc:
     """`kv_pad`: the packed K / V^T length is a multiple of it (block_k must divide it); `name`
     the module function; `unit` what its GEMMs run on (amx.TILES or amx.PAIR_DOTS). An fp32
-    spec gives the bf16x3 forward: its packs from `forward_bf16x3_pack_kernel`, Q's pairs and P
+    spec gives the bf16x3 forward: its packs from `forward_amx_pack_kernel`, Q's pairs and P
     split likewise (`segments_of`), the GEMMs' contractions 3x as long, fp32 outputs."""
     assert (amx_supported(spec) or bf16x3_supported(spec)) and block_q % 32 == 0 and block_k % 32 == 0
     assert kv_pad % block_k == 0

@@ -122,11 +122,10 @@ def takes_pair_dots(target: dict) -> bool:
 
 def kernels(spec, target: dict, knobs: dict) -> dict:
     """Name -> PrimFunc of every kernel of `spec`'s module for `target`."""
-    from .amx_backward import backward_amx_kernel, backward_amx_pack_kernel, backward_bf16x3_pack_kernel
+    from .amx_backward import backward_amx_kernel, backward_amx_pack_kernel
     from .amx_decode import decode_amx_kernel
     from .amx import PAIR_DOT
-    from .amx_forward import (amx_supported, bf16x3_supported, forward_amx_kernel, forward_amx_pack_kernel,
-                              forward_bf16x3_pack_kernel)
+    from .amx_forward import amx_supported, bf16x3_supported, forward_amx_kernel, forward_amx_pack_kernel
 
     funcs = host.kernels(spec, target, knobs, PAIR_DOT if takes_pair_dots(target) else None)
     if has_amx(target) and amx_supported(spec):  # the split-KV forward of more rows a kv-head
@@ -151,11 +150,11 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
         funcs["forward_bf16x3"] = forward_amx_kernel(spec, bq, bk, AMX_KV_PAD, "forward_bf16x3", unit)
         if long_bq != bq:
             funcs["forward_bf16x3_long"] = forward_amx_kernel(spec, long_bq, bk, AMX_KV_PAD, "forward_bf16x3_long", unit)
-        funcs["forward_pack_bf16x3"] = forward_bf16x3_pack_kernel(spec, AMX_KV_PAD, bk)
+        funcs["forward_pack_bf16x3"] = forward_amx_pack_kernel(spec, AMX_KV_PAD, block_k=bk)
         bq, bk = knobs["bf16x3_bwd_block_q"], knobs["bf16x3_bwd_block_k"]
         for plan in ("fused", "dkdv", "dq"):
             funcs[f"backward_bf16x3_{plan}"] = backward_amx_kernel(spec, bq, bk, plan, unit, "backward_bf16x3")
-        funcs["backward_pack_bf16x3"] = backward_bf16x3_pack_kernel(spec, AMX_KV_PAD, bq, bk)
+        funcs["backward_pack_bf16x3"] = backward_amx_pack_kernel(spec, AMX_KV_PAD, bq, bk)
     return funcs
 
 

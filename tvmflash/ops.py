@@ -572,7 +572,7 @@ def _amx_packs(kern: dict, k: torch.Tensor, v: torch.Tensor) -> tuple:
 
 
 def _bf16x3_packs(kern: dict, k: torch.Tensor, v: torch.Tensor) -> tuple:
-    """The bf16x3 forward's operands from fp32 K and V (amx_forward.forward_bf16x3_pack_kernel):
+    """The bf16x3 forward's operands from fp32 K and V (amx_forward.forward_amx_pack_kernel):
     K's rows as [hi | hi | lo], V^T's rows as each kv block's [hi | hi | lo]."""
     from .schedules.avx512 import AMX_KV_PAD as pad
     from .schedules.avx512 import SPLIT_SEGMENTS as S
