@@ -153,6 +153,13 @@ def column_16(src, rows_at: list, row_bytes):
                       _ROW_LANES * tirx.Broadcast(tirx.const(row_bytes, "int32"), 16))
 
 
+def store_fp32_row(dst, index: list, lo, hi) -> None:
+    """dst[*index, c0 : c0 + 32] = 32 fp32 (two fp32x16, lo first), index's last entry c0."""
+    *prefix, c0 = index
+    for half, x in enumerate((lo, hi)):
+        irb.buffer_store(dst, x, [*prefix, _ramp(dst, c0 + half * 16, 16)])
+
+
 def store_bf16_row(dst, index: list, lo, hi) -> None:
     """dst[*index, c0 : c0 + 32] = bf16 of 32 fp32 (two fp32x16, lo first), index's last entry
     c0; rounded to nearest even by one `vcvtne2ps2bf16` (a bf16 cast would become integer
@@ -236,6 +243,18 @@ def store_split_row(dst, first, values) -> None:
         *prefix, last = first(segment)
         irb.buffer_store(dst, tirx.reinterpret(PAIR + "x16" if words else "bfloat16x32", parts[part]),
                          [*prefix, _ramp(dst, last, 16 if words else 32)])
+
+
+def store_pair_rows(dst, p, cols, even, odd, segments: int) -> None:
+    """K-dim rows 2p, 2p + 1 (the fp32x16 `even`, `odd`; columns `cols`, a Ramp) as VNNI pairs
+    of a B operand built in a kernel (P for P.V, dS^T for dQ^T): dst[p, cols], or with
+    `segments` (bf16x3) `store_split_pairs`' [hi; lo; hi], each segment a 1 / segments of
+    dst's rows."""
+    if segments == 1:
+        irb.buffer_store(dst, bf16_pairs(even, odd), [p, cols])
+    else:
+        rows = dst.shape[0] // segments
+        store_split_pairs(dst, lambda segment, _: [p + segment * rows, cols.base], [even], [odd])
 
 
 def store_split_pairs(dst, first, even, odd) -> None:

@@ -33,9 +33,9 @@ from tvm.script.ir_builder import tirx as irb
 from ..kernels.backward import declare_backward_inputs, load_row_stats
 from ..kernels.common import F32, LOG2E, KernelArgs, Shape, fast_exp
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
-from .amx import (BF16, PAIR, TILES, MatrixUnit, amx_dropout_buffers, bf16_pairs, bf16_row, dropout_tile_16, exp2_16,
-                  fp32_column, key_row, pair_bits, stage_rows, store_split_pairs, store_split_row, store_word_halves,
-                  store_words, word_column)
+from .amx import (BF16, PAIR, TILES, MatrixUnit, amx_dropout_buffers, bf16_row, dropout_tile_16, exp2_16, fp32_column,
+                  key_row, pair_bits, stage_rows, store_pair_rows, store_split_pairs, store_split_row,
+                  store_word_halves, store_words, word_column)
 from .amx_forward import (amx_supported, bf16x3_supported, dropped, modified, odd_tanh, segments_of, small_limit,
                           small_scores, tanh_16, tanh_coefficients, z_rows)
 
@@ -360,17 +360,6 @@ def pack_step_rows(pT, dsT, pa, dsa, zT, BK, BQ, S, dropout):
             store_step_rows(pT, dsT, pa, dsa, zT, vj, vc, BQ, S, dropout)
 
 
-def store_ds_pairs(dsT, dsb, p, ic, BK: int, S: int) -> None:
-    """dS^T's key rows 2p, 2p + 1, queries [16 ic, 16 ic + 16) as VNNI pairs of dQ^T's B operand
-    (S segments: bf16x3)."""
-    cols = tirx.Ramp(ic * 16, 1, 16)
-    even, odd = dsT[p * 2, cols], dsT[p * 2 + 1, cols]
-    if S == 1:
-        irb.buffer_store(dsb, bf16_pairs(even, odd), [p, cols])
-    else:
-        store_split_pairs(dsb, lambda s, _: [p + s * (BK // 2), ic * 16], [even], [odd])
-
-
 @T.inline
 def accumulate_dq(unit, P, cfg, acc_at, acc_ld, acc_region, dsT, dsb, hk, b, k0, BQ, BK, D, S):
     """dQ^T (D x BQ, at acc_at) += K^T . dS^T (S segments over the kv block's keys: bf16x3)."""
@@ -379,7 +368,8 @@ def accumulate_dq(unit, P, cfg, acc_at, acc_ld, acc_region, dsT, dsb, hk, b, k0,
             vp, vic = T.axis.remap("SS", [p, ic])
             T.reads(dsT[vp * 2:vp * 2 + 2, vic * 16:vic * 16 + 16])
             T.writes(dsb[0:S * BK // 2, vic * 16:vic * 16 + 16])
-            store_ds_pairs(dsT, dsb, vp, vic, BK, S)
+            cols = T.meta_var(T.Ramp(vic * 16, 1, 16))
+            store_pair_rows(dsb, vp, cols, dsT[vp * 2, cols], dsT[vp * 2 + 1, cols], S)
     with T.sblock("dq_amx"):
         T.reads(P.kt[b, hk, 0:D, S * k0:S * (k0 + BK)], dsb[0:S * BK // 2, 0:BQ], acc_region, cfg[0:64])
         T.writes(acc_region)

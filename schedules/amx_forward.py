@@ -41,7 +41,6 @@ from __future__ import annotations
 
 from tvm import tirx
 from tvm.script import tirx as T
-from tvm.script.ir_builder import tirx as irb
 
 from ..spec import AttentionSpec
 from .avx512 import SPLIT_SEGMENTS
@@ -49,9 +48,9 @@ from ..kernels.common import F32, LOG2E, NEG_INF, POS_INF, KernelArgs, Shape, fa
 from ..kernels.dropout import Dropout
 from ..kernels.forward import declare_forward_args
 from ..kernels.score_mods import ScoreIndex, ScorePipeline
-from .amx import (BF16, PAIR, TILES, MatrixUnit, amx_dropout_buffers, bf16_pairs, column_16, dropout_tile_16, exp2_16,
-                  fp32_column, key_row, stage_rows, store_bf16_row, store_split_pairs, store_split_row,
-                  store_word_halves, store_words, word_column)
+from .amx import (BF16, PAIR, TILES, MatrixUnit, amx_dropout_buffers, column_16, dropout_tile_16, exp2_16, fp32_column,
+                  key_row, stage_rows, store_bf16_row, store_fp32_row, store_pair_rows, store_split_pairs,
+                  store_split_row, store_word_halves, store_words, word_column)
 
 LN2 = 0.6931471805599453
 NEG_INF16 = tirx.Broadcast(NEG_INF, 16)
@@ -259,21 +258,11 @@ def _power(x, n: int):
     return x if n == 1 else x * _power(x, n - 1)
 
 
-def store_probabilities(pp, p, cols, even, odd, pairs: int, segments: int):
-    """P's key rows 2p, 2p + 1 (16 queries `cols`) as VNNI pairs of the P.V operand: one
-    segment, or `avx512.SPLIT_SEGMENTS` of `pairs` pair rows each (the bf16x3 forward's B
-    operand, `amx.store_split_pairs`)."""
-    if segments == 1:
-        irb.buffer_store(pp, bf16_pairs(even, odd), [p, cols])
-    else:
-        store_split_pairs(pp, lambda segment, _: [p + segment * pairs, cols.base], [even], [odd])
-
-
 @T.inline
 def softmax_pair(name, sT, src_scale, m, pp, ls, p, k0, seqlen_k, block_q, terms, zT, dropout, segments):
     """Key rows 2p and 2p + 1 of a kv block's S^T: P = 2^(s * src_scale - m) for 16 queries per
     vector, written (times dropout's Z where `dropout`) as VNNI pairs of the P.V operand (in
-    `segments`: `store_probabilities`) and added to the row sums `ls`."""
+    `segments`: `amx.store_pair_rows`) and added to the row sums `ls`."""
     with T.sblock(name):
         T.reads(sT[p * 2:p * 2 + 2, 0:block_q], m[0:block_q], ls[0:block_q], z_rows(zT, p * 2, 2, block_q, dropout))
         T.writes(pp[0:pp.shape[0], 0:block_q], ls[0:block_q])
@@ -283,8 +272,8 @@ def softmax_pair(name, sT, src_scale, m, pp, ls, p, k0, seqlen_k, block_q, terms
             # branches it makes of the key checks
             e0 = probabilities(exponent(sT, src_scale, p * 2, cols, m[cols], terms), k0 + p * 2 < seqlen_k)
             e1 = probabilities(exponent(sT, src_scale, p * 2 + 1, cols, m[cols], terms), k0 + p * 2 + 1 < seqlen_k)
-            store_probabilities(pp, p, cols, dropped(e0, zT, p * 2, cols, dropout),
-                                dropped(e1, zT, p * 2 + 1, cols, dropout), pp.shape[0] // segments, segments)
+            store_pair_rows(pp, p, cols, dropped(e0, zT, p * 2, cols, dropout),
+                            dropped(e1, zT, p * 2 + 1, cols, dropout), segments)
             ls[cols] = ls[cols] + e0 + e1
 
 
@@ -419,11 +408,7 @@ def store_output_row(o, row_at: list, accT, i, d0, inv_l, acc_row_bytes: int) ->
     output from a column of O^T, two gathers of 16 a store (two for an fp32 `o`)."""
     scale = tirx.Broadcast(inv_l, 16)
     lo, hi = (column_16(accT, [d0 + half * 16, i], acc_row_bytes) * scale for half in range(2))
-    if o.dtype == F32:
-        for half, x in enumerate((lo, hi)):
-            irb.buffer_store(o, x, [*row_at, tirx.Ramp(tirx.Cast("int64", d0 + half * 16), tirx.const(1, "int64"), 16)])
-    else:
-        store_bf16_row(o, [*row_at, d0], lo, hi)
+    (store_fp32_row if o.dtype == F32 else store_bf16_row)(o, [*row_at, d0], lo, hi)
 
 
 def forward_amx_pack_kernel(spec: AttentionSpec, kv_pad: int, with_k: bool = True, block_k: int = 0) -> tirx.PrimFunc:
