@@ -353,10 +353,10 @@ def test_bf16_forward_reads_whole_keys_in_place(bf16_unit):
 def precision_high():
     """torch.set_float32_matmul_precision("high") for one test: fp32 forwards on the bf16x3
     kernel where the module has it."""
-    old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
-    yield
-    torch.set_float32_matmul_precision(old)
+    from tvmflash.bench import float32_matmul_precision
+
+    with float32_matmul_precision("high"):
+        yield
 
 
 # the bf16x3 forward's error budget (absolute, on outputs and lse of unit-variance inputs): its
