@@ -46,7 +46,7 @@ from tvmflash.kernels.score_mods import TileAt, grad_from_output, unit_grad
 from tvmflash.spec import AttentionSpec
 
 from .cuda_backward import DqAccLayout, _check, _declare
-from .cuda_mma import (QStepWalk, SequenceTiles, advance, batch_and_head, copy_row_stats, cta_position, dropout_cols_t,
+from .cuda_mma import (SHARED_LIMIT, QStepWalk, SequenceTiles, advance, batch_and_head, copy_row_stats, cta_position, dropout_cols_t,
                        dropped_ds, locate_tile, thread_row_stats, transposed_probabilities)
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
                          gemm_ss_kmajor, gemm_ss_mnmajor, wgmma_op)
@@ -113,6 +113,13 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
     DO_OFF = Q_OFF + SLOTS * BM * D
     DS_OFF = DO_OFF + SLOTS * BM * D
     POOL = DS_OFF + BN * BM  # dS^T: MT column blocks of BN keys x 64 queries
+    # the pool, the row stats and the dQ staging (below): refused here, where the launch would
+    # fail to reserve it ("Failed to set the allowed dynamic shared memory size")
+    need = POOL * 2 + SLOTS * 2 * BM * 4 + NWG * BM * DQN * 4
+    if need > SHARED_LIMIT:
+        raise ValueError(f"the wgmma backward's tiles need {need} bytes of shared memory at head dim {D} with "
+                         f"bwd_wgmma_block_m {BM} and {NWG} warpgroups, more than the {SHARED_LIMIT} an SM "
+                         f"gives a CTA")
 
     shape = Shape.fresh()
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k

@@ -145,6 +145,17 @@ def test_wgmma_forward_refuses_rings_that_do_not_fit_shared_memory():
 
 
 @needs_compiler
+def test_wgmma_backward_refuses_tiles_that_do_not_fit_shared_memory():
+    """128-query blocks at head dim 128 (a knob override; the tuner's grid leaves them out)
+    need 355 KB: refused when the kernel is generated, not at its first launch."""
+    from tvmflash.build import cuda_kernels
+
+    with pytest.raises(ValueError, match="363520 bytes of shared memory at head dim 128"):
+        cuda_kernels(AttentionSpec("bfloat16", 128), "sm_90a", {"bwd_wgmma_block_m": 128})
+    cuda_kernels(AttentionSpec("bfloat16", 64), "sm_90a", {"bwd_wgmma_block_m": 128})  # 64: fits
+
+
+@needs_compiler
 def test_window_modules_hold_the_lockstep_forward_for_short_windows():
     """At D=128 a windowed module holds the warp-specialized forward and the lockstep one
     ("forward_short"); a window of at most SHORT_WALK_KEYS keys on both sides together
