@@ -102,7 +102,7 @@ def decode_amx_kernel(spec: AttentionSpec, name: str = "forward_split") -> tirx.
                 kst = T.sblock_alloc_buffer((BK, D), "uint16")  # key rows that leave their page
                 acc = T.sblock_alloc_buffer((RB, D), F32)  # O's rows
                 # cached: each key's (page, row) in this block (slot kb % 2) and the next, clamped
-                where = T.sblock_alloc_buffer((2, BK if cached else 1, 2), "int32")
+                where = T.sblock_alloc_buffer((2, BK if cached else 1, 2), "int64")
                 score, first_key = T.meta_var(sequence(score_all, cache, vb, LQ))
                 real_rows = T.meta_var(T.min(G * LQ - vrb * RB, RB))
                 kb_lo, kb_hi, clamp = T.meta_var(split_blocks(score, first_key, LQ, S, vs, BK))

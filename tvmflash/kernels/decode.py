@@ -68,6 +68,8 @@ class CacheArgs:
     new_keys: tirx.Var
     num_pages: tirx.Var
     page_size: tirx.Var
+    k: tirx.Buffer  # the caches (their strides: `row_offset`)
+    v: tirx.Buffer
 
     def start(self, b):
         return tirx.Cast("int64", self.leftpad[b])
@@ -85,6 +87,14 @@ class CacheArgs:
     def row(self, pos):
         """The row of cache position `pos` in its page."""
         return tirx.Cast("int32", pos) % tirx.Cast("int32", self.page_size)
+
+    def row_offset(self, buf, page, row):
+        """The element offset of (page, row, kv-head 0, dim 0) in the K or V cache `buf`."""
+        return tirx.Cast("int64", page) * buf.strides[0] + tirx.Cast("int64", row) * buf.strides[1]
+
+    def offsets_column(self, buf) -> int:
+        """Which column of `key_positions`' table holds `buf`'s (K: 0, V: 1) row offsets."""
+        return 0 if buf.same_as(self.k) else 1
 
 
 def declare_decode_args(spec: AttentionSpec, shape: Shape, splits: tirx.Var, counters: bool = False):
@@ -107,7 +117,7 @@ def declare_decode_args(spec: AttentionSpec, shape: Shape, splits: tirx.Var, cou
     table = args.tensor("block_table", (B, MP), "int32", unit_last_stride=False)
     seqlens = args.tensor("cache_seqlens", (B,), "int32", unit_last_stride=False)
     leftpad = args.tensor("cache_leftpad", (B,), "int32", unit_last_stride=False)
-    cache = CacheArgs(table, seqlens, leftpad, args.scalar("new_keys", "int64"), NP, PG)
+    cache = CacheArgs(table, seqlens, leftpad, args.scalar("new_keys", "int64"), NP, PG, k, v)
     o = args.tensor("o_part", (B, H, splits, LQ, D), F32)
     lse = args.tensor("lse_part", (B, H, splits, LQ), F32)
     outputs = (args.tensor("o", (B, H, LQ, D), dt), args.tensor("lse", (B, H, LQ), F32))
@@ -146,10 +156,18 @@ def sequence(score: ScorePipeline, cache, b, seqlen_q):
 
 def key_element(buf, cache, where, slot, b, hk, k0, j, d, seqlen_k):
     """Key k0 + j's element d (dense: clamped into the keys; cached: through `where`, the
-    block's key positions from `key_positions`)."""
+    block's row offsets from `key_positions`, as one flat index, so that an access costs an
+    add rather than the (page, row) multiplies, which took ~30 instructions a key and kv-head
+    in the decode's loops)."""
     if cache is None:
         return buf[b, hk, tirx.min(k0 + j, seqlen_k - 1), d]
-    return buf[tirx.Cast("int64", where[slot, j, 0]), tirx.Cast("int64", where[slot, j, 1]), hk, d]
+    base = where[slot, j, cache.offsets_column(buf)] + tirx.Cast("int64", hk) * buf.strides[2]
+    if isinstance(d, tirx.Ramp):
+        flat = tirx.Ramp(base + tirx.Cast("int64", d.base), tirx.Cast("int64", d.stride), d.lanes)
+    else:
+        flat = base + tirx.Cast("int64", d)
+    zero = tirx.const(0, "int64")
+    return buf[zero, zero, zero, flat]
 
 
 def prefetch_l2(element):
@@ -175,14 +193,17 @@ def split_blocks(score: ScorePipeline, first_key, seqlen_q, splits, split, block
 
 @T.macro
 def key_positions(where, slot, cache, b, k0, clamp, block_k):
-    """where[slot, j] = the (page, row) of block k0's key j, clamped into the sequence: one page
-    lookup per 16 keys (the clamped positions of 16 aligned keys lie in one page and are
-    consecutive from the first one's)."""
+    """where[slot, j, 0 | 1] = the element offsets of block k0's key j in the K | V cache (int64;
+    its kv-head 0, dim 0), the key clamped into the sequence: one page lookup per 16 keys (the
+    clamped positions of 16 aligned keys lie in one page and are consecutive from the first
+    one's)."""
     for g in T.serial(block_k // PAGE_ALIGN):
         for j in T.serial(PAGE_ALIGN):
-            where[slot, g * PAGE_ALIGN + j, 0] = cache.page(b, clamp(k0 + g * PAGE_ALIGN))
-            where[slot, g * PAGE_ALIGN + j, 1] = cache.row(clamp(k0 + g * PAGE_ALIGN)) + T.Cast(
-                "int32", clamp(k0 + g * PAGE_ALIGN + j) - clamp(k0 + g * PAGE_ALIGN))
+            page = T.meta_var(cache.page(b, clamp(k0 + g * PAGE_ALIGN)))
+            row = T.meta_var(cache.row(clamp(k0 + g * PAGE_ALIGN)) + T.Cast(
+                "int32", clamp(k0 + g * PAGE_ALIGN + j) - clamp(k0 + g * PAGE_ALIGN)))
+            where[slot, g * PAGE_ALIGN + j, 0] = cache.row_offset(cache.k, page, row)
+            where[slot, g * PAGE_ALIGN + j, 1] = cache.row_offset(cache.v, page, row)
 
 
 def task_regions(Q, K, V, outputs, cache, shape: Shape, b, split, hk, head_dim: int, kv_heads=1, max_kv_heads=1):
@@ -429,10 +450,10 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                 s = T.sblock_alloc_buffer((RB, BK), F32)
                 st = T.sblock_alloc_buffer((MAX_HT, RB, 3), F32)  # per row: m, l, block max
                 rix = T.sblock_alloc_buffer((MAX_HT, RB, 2), "int64")  # per row: query head, query index
-                # cached: each key's (page, row) in this block (slot kb % 2) and the next, clamped
-                # into the sequence (keys outside it get p = 0, but 0 * a NaN from unwritten cache
-                # memory is NaN)
-                where = T.sblock_alloc_buffer((2, BK if cached else 1, 2), "int32")
+                # cached: each key's K and V row offsets in this block (slot kb % 2) and the next,
+                # clamped into the sequence (keys outside it get p = 0, but 0 * a NaN from
+                # unwritten cache memory is NaN)
+                where = T.sblock_alloc_buffer((2, BK if cached else 1, 2), "int64")
                 score, first_key = T.meta_var(sequence(score_all, cache, vb, LQ))
                 row = T.meta_var(lambda r: T.min(vrb * RB + r, G * LQ - 1))  # of the kv-head's G * Lq rows
                 NH = T.meta_var(T.min(HK - vhg * HT, HT))  # the task's kv-heads
