@@ -127,11 +127,7 @@ def kernels(spec, target: dict, knobs: dict) -> dict:
     from .amx import PAIR_DOT
     from .amx_forward import amx_supported, bf16x3_supported, forward_amx_kernel, forward_amx_pack_kernel
 
-    # the 4-row split-KV forward's scores on the bf16 unit (AMX; the test target's pair dots),
-    # except where pair dots take both of its products (Zen 5)
-    pair_dot = PAIR_DOT if takes_pair_dots(target) else None
-    score_unit = bf16_unit(target) if pair_dot is None and amx_supported(spec) else None
-    funcs = host.kernels(spec, target, knobs, pair_dot, score_unit)
+    funcs = host.kernels(spec, target, knobs, PAIR_DOT if takes_pair_dots(target) else None)
     if has_amx(target) and amx_supported(spec):  # the split-KV forward of more rows a kv-head
         for split in ("decode", "forward_split"):
             if split in funcs:

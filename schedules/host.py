@@ -71,10 +71,9 @@ def block_names(sch) -> list[str]:
     return names
 
 
-def kernels(spec, target: dict, knobs: dict, pair_dot=None, score_unit=None) -> dict:
+def kernels(spec, target: dict, knobs: dict, pair_dot=None) -> dict:
     """Name -> PrimFunc of every kernel of `spec`'s module (the generic s_tir kernels; the
-    split-KV forward with the target's bf16 pair products, `pair_dot`, where it has them, and
-    its 4-row scores on `score_unit`, a matrix unit of schedules/amx.py, where given)."""
+    split-KV forward with the target's bf16 pair products, `pair_dot`, where it has them)."""
     from ..kernels.backward import backward_delta_kernel, backward_dkdv_kernel, backward_dq_kernel
     from ..kernels.decode import forward_combine_kernel, forward_split_kernel
     from ..kernels.forward import forward_kernel
@@ -85,7 +84,7 @@ def kernels(spec, target: dict, knobs: dict, pair_dot=None, score_unit=None) -> 
         lanes = vector_length(target)
         return {f"{prefix}{suffix}": kernel.with_attr("global_symbol", f"{prefix}{suffix}") for suffix, kernel in (
             ("", forward_split_kernel(spec, SPLIT_BLOCK_ROWS, SPLIT_BLOCK_K, SPLIT_VALUE_COLS[lanes], pair_dot,
-                                      SPLIT_MAX_KV_HEADS, score_unit)),
+                                      SPLIT_MAX_KV_HEADS)),
             ("_row", forward_split_kernel(spec, 1, SPLIT_BLOCK_K, SPLIT_ROW_VALUE_COLS[lanes], pair_dot,
                                           SPLIT_MAX_KV_HEADS)),
             ("_combine", forward_combine_kernel(spec)))}

@@ -311,7 +311,6 @@ def store_lane_sums(dst, index: list, vectors: list, factor=None) -> None:
 
 
 PAIR_CHUNK = 32  # bf16 elements converted at once by `store_paired_row`
-SCORE_COLS = 32  # S^T's columns on a score unit (a task's rows, then zeros): one 32 x 32 C block wide
 
 
 def paired_dim(d):
@@ -330,19 +329,13 @@ def chunk_lanes(c):
     return tirx.Ramp(tirx.Cast("int64", c * PAIR_CHUNK), tirx.const(1, "int64"), PAIR_CHUNK)
 
 
-def paired_halves(chunk):
-    """The fp32 of the even and of the odd elements of the 32 bf16 `chunk` (two fp32x16): its
-    32-bit words shifted left by 16 (even elements) and masked to their high halves (odd ones)."""
+def store_paired_row(dst, base, c, chunk):
+    """dst[base + 32c + i] = the fp32 of element 2i (i < 16), then 2i - 31 (16 <= i < 32), of the 32
+    bf16 `chunk`: its 32-bit words shifted left by 16 (even elements) and masked to their high
+    halves (odd ones)."""
     pairs = words(chunk)
     even = tirx.reinterpret("float32x16", pairs << tirx.Broadcast(tirx.const(16, "uint32"), 16))
     odd = tirx.reinterpret("float32x16", pairs & tirx.Broadcast(tirx.const(0xFFFF0000, "uint32"), 16))
-    return even, odd
-
-
-def store_paired_row(dst, base, c, chunk):
-    """dst[base + 32c + i] = the fp32 of element 2i (i < 16), then 2i - 31 (16 <= i < 32), of the 32
-    bf16 `chunk` (`paired_halves`)."""
-    even, odd = paired_halves(chunk)
     start = base + c * PAIR_CHUNK
     irb.buffer_store(dst, even, [tirx.Ramp(start, 1, 16)])
     irb.buffer_store(dst, odd, [tirx.Ramp(start + 16, 1, 16)])
@@ -359,8 +352,7 @@ def pair_dot_sum(pair_dot: PairDot, a, row: tuple, b, chunks: int):
 
 
 def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int = 64,
-                         value_cols: int = 64, pair_dot: PairDot | None = None, max_kv_heads: int = 1,
-                         score_unit=None) -> tirx.PrimFunc:
+                         value_cols: int = 64, pair_dot: PairDot | None = None, max_kv_heads: int = 1) -> tirx.PrimFunc:
     """Tasks over (batch, split, group of kv-heads, block of `block_rows` query rows of each),
     in that order (a thread runs a contiguous range of tasks: the kv-heads of one split's keys,
     which share pages). A group is the runtime argument `kv_heads` of them (clamped to [1,
@@ -374,12 +366,7 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
     cache in place (declare_decode_args). With `pair_dot` (bf16, head dims a multiple of 32)
     both products take bf16 pairs as they lie: q . k 32 dims an instruction (q unscaled: the
     scale goes to the scores), P V two keys an instruction (P rounded to bf16 as for a bf16
-    matmul, V's rows of two keys interleaved by `key_pairs`). With `score_unit` (a matrix unit
-    of schedules/amx.py: AMX tiles, where a target has them; bf16 rows converted in pairs) the
-    scores of a block are one GEMM, S^T = K . Q^T (the block's key rows copied into a stage as
-    they are, Q^T's pairs once per task, the task's rows in SCORE_COLS columns), read back a
-    column a row: no per-lane products and lane sums (~80 instructions a key and kv-head of
-    the ~160 the FMA kernel takes); the values keep their FMAs."""
+    matmul, V's rows of two keys interleaved by `key_pairs`)."""
     D, RB, BK, MAX_HT = spec.head_dim, block_rows, block_k, max_kv_heads
     DV = math.gcd(D, value_cols)  # columns of O a value pass keeps in registers
     VL = LANES if D % LANES == 0 else 1  # head dims that are not multiples of 16: scalar lanes
@@ -389,9 +376,6 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
     # a mask of the 32-bit words, two instructions where widening takes four); q and O's columns
     # then lie in that order (`paired_dim`), O is put back in order when it is stored
     PAIRED = BF16_CHUNKS and not WORDS
-    TILED = PAIRED and score_unit is not None and RB <= SCORE_COLS  # q . k on the score unit
-    if TILED:  # (imported here: schedules/amx.py builds on this module)
-        from ..schedules.amx import column_16
     dim_of = paired_dim if PAIRED else (lambda d: d)  # the head dim held at position d
     slot_of = paired_slot if PAIRED else (lambda d: d)  # the position of head dim d
     shape = Shape.fresh()
@@ -454,14 +438,7 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                 T.reads(reads)
                 T.writes(writes)
                 # the rows' q: fp32, pre-scaled; or (WORDS) their bf16 pairs
-                qs = T.sblock_alloc_buffer((1, 1, 1) if TILED else (MAX_HT, RB, D // 2) if WORDS else (MAX_HT, RB, D),
-                                           "uint32" if WORDS else F32)
-                # TILED: the score unit's operands: Q^T's pairs (a column a row, the rest 0), the
-                # block's key rows (bf16 pairs) and its S^T
-                cfg = T.sblock_alloc_buffer((64,), "uint8")
-                qp = T.sblock_alloc_buffer((MAX_HT, D // 2, SCORE_COLS) if TILED else (1, 1, 1), "uint32")
-                kst = T.sblock_alloc_buffer((BK, D // 2) if TILED else (1, 1), "uint32")
-                sT = T.sblock_alloc_buffer((BK, SCORE_COLS) if TILED else (1, 1), F32)
+                qs = T.sblock_alloc_buffer((MAX_HT, RB, D // 2) if WORDS else (MAX_HT, RB, D), "uint32" if WORDS else F32)
                 acc = T.sblock_alloc_buffer((MAX_HT, RB, D), F32)
                 row_f32 = T.sblock_alloc_buffer((D,), F32)  # the key (or value) row being used
                 # WORDS: a key row's pairs, or two value rows' (key_pairs); P's pairs per row
@@ -482,25 +459,15 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                 NH = T.meta_var(T.min(HK - vhg * HT, HT))  # the task's kv-heads
                 kv_head = T.meta_var(lambda h: vhg * HT + h)
                 kb_lo, kb_hi, clamp = T.meta_var(split_blocks(score, first_key, LQ, S, vs, BK))
-                if TILED:
-                    score_unit.configure(cfg)
                 for h in T.serial(NH):
-                    if TILED:
-                        for pc, c in T.grid(D // 2, SCORE_COLS):
-                            qp[h, pc, c] = T.uint32(0)
                     for r in T.serial(RB):
                         rix[h, r, 0] = kv_head(h) * G + row(r) // LQ
                         rix[h, r, 1] = row(r) % LQ
                         if WORDS:
                             for c in T.serial(D // PAIR_CHUNK):
                                 qs[h, r, lanes(c * LANES)] = words(Q[vb, rix[h, r, 0], rix[h, r, 1], chunk_lanes(c)])
-                        if TILED:  # row r's pairs down column r of Q^T (through the key stage's first row)
-                            for c in T.serial(D // PAIR_CHUNK):
-                                kst[0, lanes(c * LANES)] = words(Q[vb, rix[h, r, 0], rix[h, r, 1], chunk_lanes(c)])
-                            for pc in T.serial(D // 2):
-                                qp[h, pc, r] = kst[0, pc]
                         for d in T.vectorized(D):
-                            if not WORDS and not TILED:
+                            if not WORDS:
                                 qs[h, r, d] = T.Cast(F32, Q[vb, rix[h, r, 0], rix[h, r, 1], dim_of(d)]) * scale
                             acc[h, r, d] = T.float32(0)
                         st[h, r, 0] = T.min_value(F32)
@@ -514,22 +481,7 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                         for h in T.serial(NH):  # the kv-heads of the task in turn: whole token rows
                             pk0 = T.meta_var(k0 - BK)  # block kb - 1 is computed here
                             slot = T.meta_var((kb - 1) % 2)
-                            if TILED:  # S^T = K . Q^T on the score unit, its columns the rows' scores
-                                for j in T.serial(BK):
-                                    prefetch_keys(K, V, cache, where, kb % 2, slot, vb, kv_head(h), k0, pk0, j, D, LK, LINE)
-                                    for c in T.serial(D // PAIR_CHUNK):
-                                        kst[j, lanes(c * LANES)] = words(key_element(
-                                            K, cache, where, slot, vb, kv_head(h), pk0, j, chunk_lanes(c), LK))
-                                score_unit.gemm(lambda i, c: sT[i, c], SCORE_COLS * 4, lambda i, c: kst[i, c // 2], D * 2,
-                                                lambda i, c: qp[h, i, c], SCORE_COLS * 4, BK, SCORE_COLS, D, False)
-                                for r in T.serial(RB):
-                                    for jg in T.serial(BK // LANES):
-                                        s[r, lanes(jg * LANES)] = column_16(sT, [jg * LANES, r], SCORE_COLS * 4) * \
-                                            T.Broadcast(scale, LANES)
-                                        for x in T.vectorized(LANES):
-                                            s[r, jg * LANES + x] = score(s[r, jg * LANES + x], ScoreIndex(
-                                                vb, rix[h, r, 0], rix[h, r, 1], pk0 + jg * LANES + x - first_key))
-                            for jg in T.serial(0 if TILED else BK // LANES):  # scores of 16 keys: q . k as per-lane products
+                            for jg in T.serial(BK // LANES):  # scores of 16 keys: q . k as per-lane products
                                 for jj in T.serial(LANES):
                                     j = T.meta_var(jg * LANES + jj)
                                     prefetch_keys(K, V, cache, where, kb % 2, slot, vb, kv_head(h), k0, pk0, j, D, LK, LINE)
@@ -593,24 +545,16 @@ def forward_split_kernel(spec: AttentionSpec, block_rows: int = 4, block_k: int 
                                                     T.Broadcast(p_words[r, jp], LANES), row_words[lanes(m * LANES)])
                                 else:
                                     for j in T.serial(BK):
-                                        if PAIRED:  # the row's halves straight into the products (no row buffer)
+                                        if PAIRED:
                                             for c in T.serial(DV // PAIR_CHUNK):
-                                                halves = T.meta_var(paired_halves(key_element(
-                                                    V, cache, where, slot, vb, kv_head(h), pk0, j, chunk_lanes(dv * (DV // PAIR_CHUNK) + c), LK)))
-                                                even, odd = T.meta_var(halves)
-                                                for r in T.unroll(RB):
-                                                    lo = T.meta_var(lanes(dv * DV + c * PAIR_CHUNK))
-                                                    hi = T.meta_var(lanes(dv * DV + c * PAIR_CHUNK + LANES))
-                                                    acc[h, r, lo] = acc[h, r, lo] + T.Broadcast(s[r, j], LANES) * even
-                                                    acc[h, r, hi] = acc[h, r, hi] + T.Broadcast(s[r, j], LANES) * odd
+                                                store_paired_row(row_f32, 0, c, key_element(
+                                                    V, cache, where, slot, vb, kv_head(h), pk0, j, chunk_lanes(dv * (DV // PAIR_CHUNK) + c), LK))
                                         else:
                                             for d in T.vectorized(DV):
                                                 row_f32[d] = T.Cast(F32, key_element(V, cache, where, slot, vb, kv_head(h), pk0, j, dv * DV + d, LK))
-                                            for r in T.unroll(RB):
-                                                for d in T.vectorized(DV):
-                                                    acc[h, r, dv * DV + d] = acc[h, r, dv * DV + d] + s[r, j] * row_f32[d]
-                if TILED:
-                    score_unit.release()
+                                        for r in T.unroll(RB):
+                                            for d in T.vectorized(DV):
+                                                acc[h, r, dv * DV + d] = acc[h, r, dv * DV + d] + s[r, j] * row_f32[d]
                 for h in T.serial(NH):
                     for r in T.serial(RB):
                         lse_r = T.meta_var(T.Select(st[h, r, 1] == T.float32(0), NEG_INF, st[h, r, 0] + T.log(st[h, r, 1])))
