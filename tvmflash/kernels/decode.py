@@ -94,7 +94,10 @@ class CacheArgs:
 
     def offsets_column(self, buf) -> int:
         """Which column of `key_positions`' table holds `buf`'s (K: 0, V: 1) row offsets."""
-        return 0 if buf.same_as(self.k) else 1
+        for column, cache in enumerate((self.k, self.v)):
+            if buf.same_as(cache):
+                return column
+        raise ValueError(f"{buf.name} is not one of this call's caches")
 
 
 def declare_decode_args(spec: AttentionSpec, shape: Shape, splits: tirx.Var, counters: bool = False):
