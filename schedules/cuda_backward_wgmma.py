@@ -37,6 +37,8 @@ Knobs (`default_knobs`; tuned values in tuning_logs/cuda/ (tvmflash.tuning)):
 """
 from __future__ import annotations
 
+import math
+
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -46,8 +48,8 @@ from tvmflash.kernels.score_mods import TileAt, grad_from_output, unit_grad
 from tvmflash.spec import AttentionSpec
 
 from .cuda_backward import DqAccLayout, _check, _declare
-from .cuda_mma import (SHARED_LIMIT, QStepWalk, SequenceTiles, advance, batch_and_head, copy_row_stats, cta_position, dropout_cols_t,
-                       dropped_ds, locate_tile, thread_row_stats, transposed_probabilities)
+from .cuda_mma import (SHARED_LIMIT, QStepWalk, SequenceTiles, advance, batch_and_head, copy_row_stats, cta_position,
+                       dropout_cols_t, dropped_ds, locate_tile, thread_row_stats, transposed_probabilities)
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
                          gemm_ss_kmajor, gemm_ss_mnmajor, wgmma_op)
 
@@ -113,9 +115,11 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
     DO_OFF = Q_OFF + SLOTS * BM * D
     DS_OFF = DO_OFF + SLOTS * BM * D
     POOL = DS_OFF + BN * BM  # dS^T: MT column blocks of BN keys x 64 queries
-    # the pool, the row stats and the dQ staging (below): refused here, where the launch would
-    # fail to reserve it ("Failed to set the allowed dynamic shared memory size")
-    need = POOL * 2 + SLOTS * 2 * BM * 4 + NWG * BM * DQN * 4
+    STATS = (SLOTS, 2, BM)  # fp32 row stats a slot: [lse2 | delta][q]
+    STAGE = (NWG, BM * DQN)  # fp32 dQ staging a warpgroup
+    # the pool, the row stats and the dQ staging: refused here, where the launch would fail to
+    # reserve them ("Failed to set the allowed dynamic shared memory size")
+    need = POOL * 2 + (math.prod(STATS) + math.prod(STAGE)) * 4
     if need > SHARED_LIMIT:
         raise ValueError(f"the wgmma backward's tiles need {need} bytes of shared memory at head dim {D} with "
                          f"bwd_wgmma_block_m {BM} and {NWG} warpgroups, more than the {SHARED_LIMIT} an SM "
@@ -160,9 +164,9 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
         bs, q_start, k_start, k0, lq, lk, tscore = T.meta_var(tiles.where(seq, bx, b))
         kr = T.meta_var(tid // 32 * 16)            # this warp's key rows in the tile
         pool = T.alloc_buffer((POOL,), dt, scope="shared.dyn", align=ATOM_BYTES)
-        stats = T.alloc_buffer((SLOTS, 2, BM), F32, scope="shared", align=16)  # [slot][lse2|delta][q]
+        stats = T.alloc_buffer(STATS, F32, scope="shared", align=16)  # [slot][lse2|delta][q]
         # dQ staging per warpgroup, in the accumulator's (swizzled) order: one bulk reduction a step
-        stage = T.alloc_buffer((NWG, BM * DQN), F32, scope="shared", align=128)
+        stage = T.alloc_buffer(STAGE, F32, scope="shared", align=128)
         desc_kmaj = T.alloc_local([1], "uint64")   # K-major operands (K, V as A; Q, dO as B)
         desc_q_mn = T.alloc_local([1], "uint64")   # MN-major BM-row tiles (Q, dO as B; dS^T as A)
         desc_k_mn = T.alloc_local([1], "uint64")   # MN-major BN-row tiles (K as B of dQ)
