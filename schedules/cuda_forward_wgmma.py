@@ -4,20 +4,25 @@ Computes what `cuda_forward.py` computes (same spec, score modifiers, online sof
 epilogue macros); only the GEMMs differ. Head dims that are multiples of 64 (the swizzled tile
 layout's column block) take this kernel on sm_90a; the others stay on `mma.sync`.
 
-Mapping: one CTA per (q-block of 64 * warpgroups rows, batch * head); each warpgroup (128
-threads) owns 64 query rows. Q and rings of K and V tiles sit in shared memory in wgmma's
+Mapping: a CTA works on items (q-block of 64 * warpgroups rows, batch * head), one or,
+persistent, several; each warpgroup (128 threads) owns 64 query rows. Q and rings of K and V tiles sit in shared memory in wgmma's
 128B-swizzled layout, filled with `cp.async`. Per K/V tile:
     S = Q K^T       wgmma m64n{BN}k16, both operands from shared memory (K-major)
     online softmax  on the accumulator registers (the mma.sync layout per warp)
     O += P V        wgmma m64n{D}k16, P from registers, V from shared memory (MN-major)
 wgmma is asynchronous: the softmax of tile j + 1 runs while the tensor cores do P_j V_j.
 
-Two forms of the loop (knob `wgmma_producer`):
+Work items are (query tile, batch x head) pairs. Two forms of the loop (knob `wgmma_producer`):
 - warp-specialized (FlashAttention-3's structure; two consumer warpgroups): a third warpgroup
   only copies tiles into rings of `wgmma_stages` slots (mbarriers: a slot full, a slot read by
   both consumers) and gives its registers to the consumers (`setmaxnreg`); the consumers take
   turns at the tensor cores (named barriers, `wgmma_pingpong`), so one's softmax runs while the
   other's GEMMs do. H100, bf16 D=128: 4-13% faster than lockstep (A/B in one process).
+  Persistent (`wgmma_persistent`): a CTA an SM loops over items; the rings' slots and phases
+  run on across them, the consumers free Q after an item's last S = Q K^T, and the producer
+  copies the next item's Q and first tiles during the item's last softmax, PV and epilogue,
+  where a CTA an item paid its start, loads and epilogue in series (H100, bf16 D=128, 128
+  query rows: ~6 us a CTA against ~1.9 us a 128-key tile).
 - lockstep: every thread copies, a CTA barrier per tile, rings of two (one warpgroup, and
   the head dims whose rings do not fit three stages).
 
@@ -32,6 +37,10 @@ Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/ (tvmflash.tuning)):
     wgmma_pingpong    1: its consumers take turns at the tensor cores, 0: they issue freely
     wgmma_poly_exp2   eighths of a softcap tile's exponents computed by a polynomial on the
                       FMA pipe (`cuda_mma.poly_exp2_into`), not MUFU.EX2 (which tanh shares)
+    wgmma_persistent  1: the warp-specialized loop runs persistent CTAs (at most one an SM, the
+                      `cta_slots` argument), each taking every grid-th item; 0: a CTA an item
+                      (the default: the persistent loop builds and passes ptxas's checks but
+                      has not run on a GPU yet; with 0 the generated kernel is the one before it)
 """
 from __future__ import annotations
 
@@ -44,17 +53,19 @@ from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.kernels.score_mods import TileAt
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (SequenceTiles, batch_and_head, cta_position, dropout_rows, key_terms_size, load_key_terms,
-                       load_row_values, locate_tile, query_rows, rescale_rows, row_values_size, softmax_tile,
-                       store_output, to_a_fragments, unmasked_softmax_tile)
+from .cuda_mma import (SequenceTiles, batch_and_head, cta_position, declare_cta_slots, dropout_rows, key_terms_size,
+                       load_key_terms, load_row_values, locate_tile, query_rows, rescale_rows, row_values_size,
+                       softmax_tile, store_output, to_a_fragments, unmasked_softmax_tile)
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
                          gemm_ss_kmajor, wgmma_op)
 
 DEFAULTS = {"forward_wgmma": 1, "wgmma_block_n": 128, "wgmma_warpgroups": 2, "cta_order_l2_mb": 8,
-            "wgmma_producer": 1, "wgmma_stages": 3, "wgmma_pingpong": 1, "wgmma_poly_exp2": 1}
+            "wgmma_producer": 1, "wgmma_stages": 3, "wgmma_pingpong": 1, "wgmma_poly_exp2": 1,
+            "wgmma_persistent": 0}
 # the warp-specialized loop's producer warpgroup's registers a thread (setmaxnreg); its two
 # consumers share the rest of the 512 a thread slot has over three warpgroups
 PRODUCER_REGS = 40
+ALL, PRODUCER, CONSUMER = "all", "producer", "consumer"  # whose part of an item `run_item` emits
 SMEM_BYTES = 232448  # a CTA's shared memory on sm_90a
 # a block mask's kv tiles whose first keys a CTA stages in shared memory (the lists' loads
 # and index arithmetic leave the loop; up to this many, as the tile rings leave room for);
@@ -94,11 +105,15 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     if BN % 16 or not 16 <= BN <= 256 or NWG not in (1, 2, 3):
         raise ValueError(f"bad wgmma forward knobs {knobs}")
     if knobs["wgmma_producer"] not in (0, 1) or knobs["wgmma_stages"] not in (2, 3, 4) \
-            or not 0 <= knobs["wgmma_poly_exp2"] <= 8:
+            or not 0 <= knobs["wgmma_poly_exp2"] <= 8 or knobs["wgmma_persistent"] not in (0, 1):
         raise ValueError(f"bad wgmma forward knobs {knobs}")
     WS = warp_specialized(knobs)  # else lockstep
     STAGES = knobs["wgmma_stages"] if WS else 2
     PINGPONG = WS and knobs["wgmma_pingpong"] == 1
+    PERSISTENT = WS and knobs["wgmma_persistent"] == 1
+    # a block mask's tile lists staged in shared memory: with one item a CTA (persistent, the
+    # producer and the consumers work on different items; the lists are read in place)
+    STAGED = spec.block_sparse and not PERSISTENT
     BM = 64 * NWG
     check_dropout_blocks(spec, BM, BN)
     NC = 128 * NWG              # consumer threads (all threads without a producer)
@@ -109,15 +124,16 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     K_OFF = BM * D              # element offsets in the pool: Q | STAGES K tiles | STAGES V tiles
     V_OFF = K_OFF + STAGES * BN * D
     POOL = V_OFF + STAGES * BN * D
-    FULL, EMPTY_K, EMPTY_V = (i * STAGES for i in range(3))  # mbarriers: a slot's K and V in, each read
+    # mbarriers: a slot's K and V in, each read; the Q tile read
+    FULL, EMPTY_K, EMPTY_V, EMPTY_Q = (i * STAGES for i in range(4))
     # Static shared memory: the mbarriers, then the staged block-mask tile list, in one buffer
     # of whole KiB (the tiles' pool after it stays 1024-byte aligned, as the 128B swizzle needs:
     # a static part of 2944 bytes put it off and wgmma read garbage)
-    bar_words = 3 * STAGES if WS else 0
+    bar_words = 3 * STAGES + PERSISTENT if WS else 0
     spare = (SMEM_BYTES - 2 * POOL) // 1024 * 1024 - 8 * bar_words  # bytes the tiles leave
     if spare < 4:
         raise ValueError(f"the wgmma forward's tiles do not fit shared memory: {knobs} for {spec.name}")
-    listed = min(LISTED_TILES, spare // 4) if spec.block_sparse else 1  # block-mask tile lists staged
+    listed = min(LISTED_TILES, spare // 4) if STAGED else 1  # block-mask tile lists staged
     meta_words = -(-(8 * bar_words + 4 * listed) // 1024) * 128
     LIST0 = 2 * bar_words  # the tile list's first int32 in the buffer
 
@@ -128,27 +144,18 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     def fwd():
         T.func_attr({"tirx.noalias": True})
         Q, K, V, O, LSE, scale, score = T.meta_var(declare_forward_args(spec, shape))
+        cta_slots = T.meta_var(declare_cta_slots())
         T.device_entry()
         tiles = T.meta_var(SequenceTiles(score, LQ, LK, BM))  # packed sequences' own query tiles
         ntiles = T.meta_var(T.Cast("int64", tiles.count))
-        cta = T.cta_id([T.Cast("int32", ntiles * B * H)])
+        total = T.meta_var(ntiles * B * H)  # work items: (query tile, batch x head)
+        # persistent: a CTA an SM at most, each taking every grid-th item (so the first wave's
+        # items are those a grid of one CTA an item would start first)
+        grid = T.meta_var(T.min(total, T.Cast("int64", cta_slots)) if PERSISTENT else total)
+        cta = T.cta_id([T.Cast("int32", grid)])
         tid = T.thread_id([NT])
-        place = T.alloc_local([2], "int64")  # this CTA's (tile rank, batch x head)
-        # K and V: 2 x D 16-bit elements a key
-        cta_position(place, cta, ntiles, B * H, tirx.truncdiv(H, HK), LK * (4 * D), knobs["cta_order_l2_mb"] << 20)
-        b, h = T.meta_var(batch_and_head(place[1], H))
-        hk = T.meta_var(tirx.truncdiv(h, tirx.truncdiv(H, HK)))
         lane = T.meta_var(tid % 32)
         wg = T.meta_var(tid // 128)
-        seq = T.alloc_local([tiles.registers()], "int64")
-        # tiles in reverse: under a causal mask the last ones have the most keys, and the
-        # longest CTAs should start first
-        tile = T.meta_var(ntiles - 1 - place[0])
-        locate_tile(tiles, seq, tile)
-        # where the tile lies: scores see (bs, the sequence's q0.., its lengths lq, lk, tscore);
-        # the tensors' rows start at q_start + q0 and k_start + key
-        bs, q_start, k_start, q0, lq, lk, tscore = T.meta_var(tiles.where(seq, tile, b))
-        row0 = T.meta_var(tid // 32 * 16)   # this warp's first row in the tile
         pool = T.alloc_buffer((POOL,), dt, scope="shared.dyn", align=ATOM_BYTES)
         desc_k = T.alloc_local([1], "uint64")  # K-major layout (Q, K)
         desc_v = T.alloc_local([1], "uint64")  # MN-major layout (V)
@@ -156,237 +163,322 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         p = T.alloc_local([NS * 4], dt)
         o = T.alloc_local([ND * 4], F32)
         m = T.alloc_local([2], F32)  # running max (log2 units) of rows g and g + 8
-        rowv = T.alloc_local([row_values_size(tscore, 1)], "int32")  # row values (varlen, flex loads)
-        kt = T.alloc_local([key_terms_size(tscore)], F32)  # a splitting bias's key terms (ALiBi)
         l = T.alloc_local([2], F32)  # running partial sum of this lane's columns
         mx = T.alloc_local([2], F32)
         alpha = T.alloc_local([2], F32)
         meta = T.alloc_buffer((meta_words,), "uint64", scope="shared", align=1024)
         bars, listed_k0 = T.meta_var((meta, meta.view("int32")))  # mbarriers | staged tile list
-        if q0 < lq:  # a packed tile between two sequences' tiles has no rows
-            if tscore.row_values > 0:
-                load_row_values(rowv, tscore, 1, bs, h, q0 + row0, lane)
-            index = T.meta_var(query_rows(tscore, bs, h, q0 + row0, rowv, lane))
-            load_key_terms(kt, tscore, bs, h, lane)
-            pw = p.view("uint32")
-            # the K/V tiles to visit: a block mask's listed ones (supports() requires tiles that
-            # divide its blocks), else the ones the modifiers' ranges leave
-            walk = T.meta_var(tscore.kv_walk(q0, T.min(q0 + BM, lq), BN, TileAt(bs, h, (BM, BN))))
-            # the tile count and a block mask's first full tile in registers, and each tile's first
-            # key (kv0, below): from a block mask's lists they are loads, which would otherwise sit
-            # in every tile's (or score's) path
-            walk_regs = T.alloc_local([1 if walk.first_full is None else 2], "int64")
-            walk_regs[0] = walk.count
-            if walk.first_full is not None:
-                walk_regs[1] = walk.first_full
-            n = T.meta_var(walk_regs[0])
-            next_k0 = T.alloc_local([1], "int64")  # the first key of the tile being fetched
-            if walk.first_full is not None:  # read after the first tile's barrier
-                for i in T.unroll((listed + NT - 1) // NT):
-                    jj = T.meta_var(T.Cast("int64", tid + i * NT))
-                    if jj < n and jj < listed:
-                        listed_k0[LIST0 + jj] = T.Cast("int32", walk.k0(jj))
-            tile_k0 = T.meta_var(walk.k0 if walk.first_full is None else lambda j: tirx.if_then_else(
-                j < listed, T.Cast("int64", listed_k0[LIST0 + T.min(j, listed - 1)]), walk.k0(j)))
+        # the K/V tiles and the Q tiles this CTA's earlier items loaded: where the rings stand
+        # (a tile's slot and phase count from the CTA's first item, not from its item's first tile)
+        done = T.alloc_local([2], "int32")
+        done[0] = 0
+        done[1] = 0
+        place = T.alloc_local([2], "int64")  # the item's (tile rank, batch x head)
+        seq = T.alloc_local([tiles.registers()], "int64")
+        kv0 = T.alloc_local([1], "int64")
+        kv_next = T.alloc_local([1], "int64")  # the next tile's first key, read ahead of its wait
+        next_k0 = T.alloc_local([1], "int64")  # the first key of the tile being fetched
+        encode_desc(desc_k, pool, 16, ATOM_BYTES)
+        encode_desc(desc_v, pool, BN * 128, ATOM_BYTES)
 
-            @T.inline
-            def scores_to_p(k0, j):
-                # online softmax of the finished S tile (masks and bounds only where needed)
-                full = T.meta_var(None if walk.first_full is None else j >= walk_regs[1])
-                if tscore.tile_unmasked(q0, T.min(q0 + BM, lq), k0, k0 + BN, TileAt(bs, h, (BM, BN)), full):
-                    unmasked_softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, scale, index, k0, k0 + BN, q0,
-                                          T.min(q0 + BM, lq), kt, lane, fold_scale=True, interleave=WS,
-                                          poly=knobs["wgmma_poly_exp2"])
-                else:
-                    softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, scale, index, k0, lane, True)
-                if score.dropout is not None:  # l has the undropped P; O takes P Z
-                    dropout_rows(s, score.dropout, 1, NS, b, h, q0 + row0, k0, lane, False)
+        @T.inline
+        def init_barriers():
+            # count: a slot full = the producer's 128 copying threads; read, or Q read = one
+            # arrival a consumer warp
+            if tid == 0:
+                for i in T.unroll(STAGES):
+                    T.ptx.mbarrier.init.shared.b64(bars.ptr_to([FULL + i]), T.uint32(128))
+                    T.ptx.mbarrier.init.shared.b64(bars.ptr_to([EMPTY_K + i]), T.uint32(4 * NWG))
+                    T.ptx.mbarrier.init.shared.b64(bars.ptr_to([EMPTY_V + i]), T.uint32(4 * NWG))
+                if PERSISTENT:
+                    T.ptx.mbarrier.init.shared.b64(bars.ptr_to([EMPTY_Q]), T.uint32(4 * NWG))
+            T.cuda.cta_sync()  # the barriers' init (and the listed tiles)
 
-            @T.inline
-            def issue_s(kv_block):
-                T.ptx.wgmma.fence.sync.aligned()
-                gemm_ss_kmajor(OP_S, s, NS * 4, desc_k, wg * 64 * 64, BM, K_OFF + kv_block % STAGES * BN * D, BN, D)
-                T.ptx.wgmma.commit_group.sync.aligned()
+        @T.inline
+        def producer_registers():
+            T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
 
-            @T.inline
-            def prepare_pv():
-                rescale_rows(o, alpha, 1, ND)
-                fence_registers(pw, NS * 2)
+        @T.inline
+        def consumer_registers():
+            T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
+            if PINGPONG and wg == 1:  # warpgroup 0 goes first
+                T.ptx["bar.arrive"](T.uint32(1), T.uint32(NC))
 
-            @T.inline
-            def issue_pv(j):
-                T.ptx.wgmma.fence.sync.aligned()
-                gemm_rs_mnmajor(OP_O, o, ND * 4, pw, 0, desc_v, V_OFF + j % STAGES * BN * D, BN)
-                T.ptx.wgmma.commit_group.sync.aligned()
+        @T.inline
+        def run_item(item_of_cta, role):
+            # one work item, by `role`'s threads (ALL: every thread, the warp-specialized loop's
+            # roles split below; persistent, each role loops over the items by itself: ptxas
+            # gives the producer's registers to the consumers only where no code after the
+            # hand-over is shared)
+            item = T.meta_var(T.Cast("int64", cta) + item_of_cta * grid if PERSISTENT else cta)
+            # K and V: 2 x D 16-bit elements a key
+            cta_position(place, item, ntiles, B * H, tirx.truncdiv(H, HK), LK * (4 * D), knobs["cta_order_l2_mb"] << 20)
+            b, h = T.meta_var(batch_and_head(place[1], H))
+            hk = T.meta_var(tirx.truncdiv(h, tirx.truncdiv(H, HK)))
+            # tiles in reverse: under a causal mask the last ones have the most keys, and the
+            # longest items should start first
+            tile = T.meta_var(ntiles - 1 - place[0])
+            locate_tile(tiles, seq, tile)
+            # where the tile lies: scores see (bs, the sequence's q0.., its lengths lq, lk, tscore);
+            # the tensors' rows start at q_start + q0 and k_start + key
+            bs, q_start, k_start, q0, lq, lk, tscore = T.meta_var(tiles.where(seq, tile, b))
+            row0 = T.meta_var(tid // 32 * 16)   # this warp's first row in the tile
+            rowv = T.alloc_local([row_values_size(tscore, 1)], "int32")  # row values (varlen, flex loads)
+            kt = T.alloc_local([key_terms_size(tscore)], F32)  # a splitting bias's key terms (ALiBi)
+            if q0 < lq:  # a packed tile between two sequences' tiles has no rows
+                if tscore.row_values > 0:
+                    load_row_values(rowv, tscore, 1, bs, h, q0 + row0, lane)
+                index = T.meta_var(query_rows(tscore, bs, h, q0 + row0, rowv, lane))
+                load_key_terms(kt, tscore, bs, h, lane)
+                pw = p.view("uint32")
+                # the K/V tiles to visit: a block mask's listed ones (supports() requires tiles that
+                # divide its blocks), else the ones the modifiers' ranges leave
+                walk = T.meta_var(tscore.kv_walk(q0, T.min(q0 + BM, lq), BN, TileAt(bs, h, (BM, BN))))
+                # the tile count and a block mask's first full tile in registers, and each tile's first
+                # key (kv0, below): from a block mask's lists they are loads, which would otherwise sit
+                # in every tile's (or score's) path
+                walk_regs = T.alloc_local([1 if walk.first_full is None else 2], "int64")
+                walk_regs[0] = walk.count
+                if walk.first_full is not None:
+                    walk_regs[1] = walk.first_full
+                n = T.meta_var(walk_regs[0])
+                if STAGED:  # one item a CTA: read after the first tile's barrier
+                    for i in T.unroll((listed + NT - 1) // NT):
+                        jj = T.meta_var(T.Cast("int64", tid + i * NT))
+                        if jj < n and jj < listed:
+                            listed_k0[LIST0 + jj] = T.Cast("int32", walk.k0(jj))
+                tile_k0 = T.meta_var((lambda j: tirx.if_then_else(
+                    j < listed, T.Cast("int64", listed_k0[LIST0 + T.min(j, listed - 1)]), walk.k0(j)))
+                    if STAGED else walk.k0)
+                # tile j's slot in the rings and the parity of its slot's fill, counted from the
+                # CTA's first tile (persistent: int32, non-negative, so C's division)
+                ring = T.meta_var((lambda j: done[0] + T.Cast("int32", j)) if PERSISTENT else (lambda j: j))
+                slot_of = T.meta_var(lambda j: tirx.truncmod(ring(j), STAGES))
+                parity_of = T.meta_var(lambda j: T.Cast("int32", tirx.truncmod(tirx.truncdiv(ring(j), STAGES), 2)))
 
-            @T.inline
-            def copy_k(slot, k0, t, nt):
-                copy_rows_sw128(pool, K_OFF + slot * BN * D, K, b, hk, k_start + k0, BN, k_start + lk, D, t, nt)
+                @T.inline
+                def scores_to_p(k0, j):
+                    # online softmax of the finished S tile (masks and bounds only where needed)
+                    full = T.meta_var(None if walk.first_full is None else j >= walk_regs[1])
+                    if tscore.tile_unmasked(q0, T.min(q0 + BM, lq), k0, k0 + BN, TileAt(bs, h, (BM, BN)), full):
+                        unmasked_softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, scale, index, k0, k0 + BN, q0,
+                                              T.min(q0 + BM, lq), kt, lane, fold_scale=True, interleave=WS,
+                                              poly=knobs["wgmma_poly_exp2"])
+                    else:
+                        softmax_tile(s, m, l, mx, alpha, 1, NS, tscore, scale, index, k0, lane, True)
+                    if score.dropout is not None:  # l has the undropped P; O takes P Z
+                        dropout_rows(s, score.dropout, 1, NS, b, h, q0 + row0, k0, lane, False)
 
-            @T.inline
-            def copy_v(slot, k0, t, nt):
-                copy_rows_sw128(pool, V_OFF + slot * BN * D, V, b, hk, k_start + k0, BN, k_start + lk, D, t, nt)
+                @T.inline
+                def issue_s(kv_block):
+                    T.ptx.wgmma.fence.sync.aligned()
+                    gemm_ss_kmajor(OP_S, s, NS * 4, desc_k, wg * 64 * 64, BM,
+                                   K_OFF + slot_of(kv_block) * BN * D, BN, D)
+                    T.ptx.wgmma.commit_group.sync.aligned()
 
-            @T.inline
-            def release(which, j):  # warp-specialized: this warp is done with slot j's K or V
+                @T.inline
+                def prepare_pv():
+                    rescale_rows(o, alpha, 1, ND)
+                    fence_registers(pw, NS * 2)
+
+                @T.inline
+                def issue_pv(j):
+                    T.ptx.wgmma.fence.sync.aligned()
+                    gemm_rs_mnmajor(OP_O, o, ND * 4, pw, 0, desc_v, V_OFF + slot_of(j) * BN * D, BN)
+                    T.ptx.wgmma.commit_group.sync.aligned()
+
+                @T.inline
+                def copy_k(slot, k0, t, nt):
+                    copy_rows_sw128(pool, K_OFF + slot * BN * D, K, b, hk, k_start + k0, BN, k_start + lk, D, t, nt)
+
+                @T.inline
+                def copy_v(slot, k0, t, nt):
+                    copy_rows_sw128(pool, V_OFF + slot * BN * D, V, b, hk, k_start + k0, BN, k_start + lk, D, t, nt)
+
+                @T.inline
+                def arrive(bar):  # warp-specialized: this warp is done with what `bar` guards
+                    if WS:
+                        if lane == 0:
+                            T.ptx.mbarrier.arrive.shared.b64(bars.ptr_to([bar]), T.uint32(1))
+
+                @T.inline
+                def softmax_next(pending, j, k0):
+                    # S_j's GEMM done (PV_{j-1}'s may be in flight: pending), then its softmax
+                    T.ptx.wgmma.wait_group.sync.aligned(pending)
+                    fence_registers(s, NS * 4)
+                    arrive(EMPTY_K + slot_of(j))
+                    if PERSISTENT:
+                        if j == n - 1:  # the item's last S: its Q tile may take the next item's
+                            arrive(EMPTY_Q)
+                    kv0[0] = k0
+                    scores_to_p(kv0[0], j)
+
+                @T.inline
+                def wait_pv(j):
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    fence_registers(o, ND * 4)
+                    arrive(EMPTY_V + slot_of(j))
+                for i in T.unroll(ND * 4):
+                    o[i] = T.float32(0)
+                for i in T.unroll(2):
+                    m[i] = T.min_value(F32)
+                    l[i] = T.float32(0)
                 if WS:
-                    if lane == 0:
-                        T.ptx.mbarrier.arrive.shared.b64(bars.ptr_to([which + j % STAGES]), T.uint32(1))
+                    # Warp-specialized (FlashAttention-3's structure): the last warpgroup only copies
+                    # Q and K/V tiles into a ring of STAGES slots (cp.async; mbarriers say when a slot
+                    # is full and when both consumers are done with it, and when they are done with
+                    # Q), the consumer warpgroups only compute. Two consumers take turns at the tensor
+                    # cores (named barriers 1 and 2, one a consumer): one's GEMMs run while the other's
+                    # softmax does, where in lockstep both softmaxes ran at once with the tensor cores
+                    # idle. Persistent, the producer copies the next item's tiles while the consumers
+                    # finish this one's.
+                    if not PERSISTENT:
+                        init_barriers()
+                    if (wg == NWG) if role == ALL else role == PRODUCER:
+                        if not PERSISTENT:
+                            producer_registers()
+                        if n > 0:
+                            if PERSISTENT:
+                                if done[1] > 0:  # the consumers' last S of the previous item read Q
+                                    T.cuda.mbarrier_wait(bars.ptr_to([EMPTY_Q]), tirx.truncmod(done[1] - 1, 2))
+                            copy_rows_sw128(pool, 0, Q, b, h, q_start + q0, BM, q_start + lq, D, tid - NC, 128)
+                        for t in T.serial(n):
+                            slot = T.meta_var(slot_of(t))
+                            refill = T.meta_var(parity_of(t) ^ 1)
+                            next_k0[0] = tile_k0(t)
+                            if ring(t) >= STAGES:
+                                T.cuda.mbarrier_wait(bars.ptr_to([EMPTY_K + slot]), refill)
+                            copy_k(slot, next_k0[0], tid - NC, 128)
+                            if ring(t) >= STAGES:
+                                T.cuda.mbarrier_wait(bars.ptr_to([EMPTY_V + slot]), refill)
+                            copy_v(slot, next_k0[0], tid - NC, 128)
+                            # one barrier for both (a consumer's wait costs ~100 cycles of its critical
+                            # path); it also covers the item's Q, copied before its first tile
+                            T.ptx["cp.async.mbarrier.arrive.noinc.shared.b64"](bars.ptr_to([FULL + slot]))
+                    else:
+                        if not PERSISTENT:
+                            consumer_registers()
 
-            kv0 = T.alloc_local([1], "int64")
+                        @T.inline
+                        def wait_full(j):  # tile j's K and V in shared memory
+                            T.cuda.mbarrier_wait(bars.ptr_to([FULL + slot_of(j)]), parity_of(j))
+                            # cp.async wrote through the generic proxy; wgmma reads through the async one
+                            T.ptx.fence.proxy.async_.shared__cta()
 
-            @T.inline
-            def softmax_next(pending, j, k0):
-                # S_j's GEMM done (PV_{j-1}'s may be in flight: pending), then its softmax
-                T.ptx.wgmma.wait_group.sync.aligned(pending)
-                fence_registers(s, NS * 4)
-                release(EMPTY_K, j)
-                kv0[0] = k0
-                scores_to_p(kv0[0], j)
+                        @T.inline
+                        def take_turn():
+                            if PINGPONG:
+                                T.ptx["bar.sync"](T.Cast("uint32", 1 + wg), T.uint32(NC))
 
-            @T.inline
-            def wait_pv(j):
-                T.ptx.wgmma.wait_group.sync.aligned(0)
-                fence_registers(o, ND * 4)
-                release(EMPTY_V, j)
-            for i in T.unroll(ND * 4):
-                o[i] = T.float32(0)
-            for i in T.unroll(2):
-                m[i] = T.min_value(F32)
-                l[i] = T.float32(0)
-            encode_desc(desc_k, pool, 16, ATOM_BYTES)
-            encode_desc(desc_v, pool, BN * 128, ATOM_BYTES)
-            if WS:
-                # Warp-specialized (FlashAttention-3's structure): the last warpgroup only copies
-                # K/V tiles into a ring of STAGES slots (cp.async; mbarriers say when a slot is
-                # full and when both consumers are done with it), the consumer warpgroups only
-                # compute. Two consumers take turns at the tensor cores (named barriers 1 and 2,
-                # one a consumer): one's GEMMs run while the other's softmax does, where in lockstep
-                # both softmaxes ran at once with the tensor cores idle.
-                if tid == 0:
-                    for i in T.unroll(STAGES):
-                        T.ptx.mbarrier.init.shared.b64(bars.ptr_to([FULL + i]), T.uint32(128))
-                        T.ptx.mbarrier.init.shared.b64(bars.ptr_to([EMPTY_K + i]), T.uint32(4 * NWG))
-                        T.ptx.mbarrier.init.shared.b64(bars.ptr_to([EMPTY_V + i]), T.uint32(4 * NWG))
-                T.cuda.cta_sync()  # the barriers' init and the listed tiles
-                if wg == NWG:
-                    T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
-                    if n > 0:
-                        copy_rows_sw128(pool, 0, Q, b, h, q_start + q0, BM, q_start + lq, D, tid - NC, 128)
-                    for t in T.serial(n):
-                        slot = T.meta_var(t % STAGES)
-                        refill = T.meta_var(T.Cast("int32", t // STAGES % 2) ^ 1)
-                        next_k0[0] = tile_k0(t)
-                        if t >= STAGES:
-                            T.cuda.mbarrier_wait(bars.ptr_to([EMPTY_K + slot]), refill)
-                        copy_k(slot, next_k0[0], tid - NC, 128)
-                        if t >= STAGES:
-                            T.cuda.mbarrier_wait(bars.ptr_to([EMPTY_V + slot]), refill)
-                        copy_v(slot, next_k0[0], tid - NC, 128)
-                        # one barrier for both (a consumer's wait costs ~100 cycles of its critical path)
-                        T.ptx["cp.async.mbarrier.arrive.noinc.shared.b64"](bars.ptr_to([FULL + slot]))
+                        @T.inline
+                        def pass_turn():
+                            if PINGPONG:
+                                T.ptx["bar.arrive"](T.Cast("uint32", 2 - wg), T.uint32(NC))
+
+                        if n > 0:
+                            wait_full(0)
+                            take_turn()
+                            issue_s(0)
+                            pass_turn()
+                            softmax_next(0, 0, walk.k0(0))
+                            to_a_fragments(s, p, NS * 4)
+                        for j in T.serial(n - 1):
+                            if PERSISTENT:  # a block mask's lists are read in place: ahead of the wait
+                                kv_next[0] = tile_k0(j + 1)
+                            prepare_pv()
+                            wait_full(j + 1)
+                            take_turn()
+                            issue_s(j + 1)
+                            issue_pv(j)
+                            pass_turn()
+                            softmax_next(1, j + 1, kv_next[0] if PERSISTENT else tile_k0(j + 1))
+                            wait_pv(j)
+                            to_a_fragments(s, p, NS * 4)
+                        if n > 0:
+                            prepare_pv()
+                            take_turn()
+                            issue_pv(n - 1)
+                            pass_turn()
+                            if PERSISTENT:  # the last V slot goes back to the ring
+                                wait_pv(n - 1)
+                            else:
+                                T.ptx.wgmma.wait_group.sync.aligned(0)
+                                fence_registers(o, ND * 4)
+                        store_output(O, LSE, o, m, l, 1, ND, b, h, q_start + q0 + row0, q_start + lq, lane)
                 else:
-                    T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
-
                     @T.inline
-                    def wait_full(j):  # tile j's K and V in shared memory
-                        T.cuda.mbarrier_wait(bars.ptr_to([FULL + j % STAGES]), T.Cast("int32", j // STAGES % 2))
+                    def sync_tiles():
+                        T.ptx["cp.async.wait_group"](0)
                         # cp.async wrote through the generic proxy; wgmma reads through the async one
                         T.ptx.fence.proxy.async_.shared__cta()
+                        T.cuda.cta_sync()
 
                     @T.inline
-                    def take_turn():
-                        if PINGPONG:
-                            T.ptx["bar.sync"](T.Cast("uint32", 1 + wg), T.uint32(NC))
+                    def fetch_tiles(j):
+                        if j + 2 < n:
+                            next_k0[0] = tile_k0(j + 2)  # once, not per copied row (loads from a block mask's lists)
+                            copy_k(j % 2, next_k0[0], tid, NT)
+                        if j + 1 < n:
+                            next_k0[0] = tile_k0(j + 1)
+                            copy_v((j + 1) % 2, next_k0[0], tid, NT)
+                        T.ptx["cp.async.commit_group"]()
 
-                    @T.inline
-                    def pass_turn():
-                        if PINGPONG:
-                            T.ptx["bar.arrive"](T.Cast("uint32", 2 - wg), T.uint32(NC))
-
-                    if PINGPONG and wg == 1:  # warpgroup 0 goes first
-                        T.ptx["bar.arrive"](T.uint32(1), T.uint32(NC))
+                    copy_rows_sw128(pool, 0, Q, b, h, q_start + q0, BM, q_start + lq, D, tid, NT)
+                    next_k0[0] = walk.k0(0)
+                    copy_k(0, next_k0[0], tid, NT)
+                    copy_v(0, next_k0[0], tid, NT)
+                    if n > 1:
+                        next_k0[0] = walk.k0(1)
+                        copy_k(1, next_k0[0], tid, NT)
+                    T.ptx["cp.async.commit_group"]()
                     if n > 0:
-                        wait_full(0)
-                        take_turn()
+                        T.ptx["cp.async.wait_group"](0)
+                        T.ptx.fence.proxy.async_.shared__cta()
+                        T.cuda.cta_sync()
                         issue_s(0)
-                        pass_turn()
                         softmax_next(0, 0, walk.k0(0))
                         to_a_fragments(s, p, NS * 4)
+
+                    # Iteration j: S_{j+1} = Q K_{j+1}^T and O += P_j V_j go to the tensor cores back to back;
+                    # the softmax of S_{j+1} then runs while the PV product is still in flight. K and V
+                    # rings of two: K_{j+2} and V_{j+1} are loaded into the slots of K_j and V_{j-1}, whose
+                    # readers every warpgroup finished before the barrier. S_{j+1} goes first and the copies
+                    # are issued while the tensor cores compute it: issued before the barrier or after
+                    # PV_j (whose issue waits for the tensor cores), they delayed the next GEMM or the
+                    # softmax (H100, bf16 D=128 16k: 10% of the forward's time).
                     for j in T.serial(n - 1):
-                        prepare_pv()
-                        wait_full(j + 1)
-                        take_turn()
+                        sync_tiles()
                         issue_s(j + 1)
+                        fetch_tiles(j)
+                        prepare_pv()
                         issue_pv(j)
-                        pass_turn()
                         softmax_next(1, j + 1, tile_k0(j + 1))
                         wait_pv(j)
                         to_a_fragments(s, p, NS * 4)
                     if n > 0:
+                        sync_tiles()
                         prepare_pv()
-                        take_turn()
                         issue_pv(n - 1)
-                        pass_turn()
                         T.ptx.wgmma.wait_group.sync.aligned(0)
                         fence_registers(o, ND * 4)
                     store_output(O, LSE, o, m, l, 1, ND, b, h, q_start + q0 + row0, q_start + lq, lane)
+                if PERSISTENT:
+                    done[0] = done[0] + T.Cast("int32", n)
+                    done[1] = done[1] + T.Cast("int32", n > 0)
+
+
+        if PERSISTENT:
+            init_barriers()
+            items = T.meta_var((total - 1 - T.Cast("int64", cta)) // grid + 1)
+            if wg == NWG:
+                producer_registers()
+                for item_of_cta in T.serial(items):
+                    run_item(item_of_cta, PRODUCER)
             else:
-                @T.inline
-                def sync_tiles():
-                    T.ptx["cp.async.wait_group"](0)
-                    # cp.async wrote through the generic proxy; wgmma reads through the async one
-                    T.ptx.fence.proxy.async_.shared__cta()
-                    T.cuda.cta_sync()
-
-                @T.inline
-                def fetch_tiles(j):
-                    if j + 2 < n:
-                        next_k0[0] = tile_k0(j + 2)  # once, not per copied row (loads from a block mask's lists)
-                        copy_k(j % 2, next_k0[0], tid, NT)
-                    if j + 1 < n:
-                        next_k0[0] = tile_k0(j + 1)
-                        copy_v((j + 1) % 2, next_k0[0], tid, NT)
-                    T.ptx["cp.async.commit_group"]()
-
-                copy_rows_sw128(pool, 0, Q, b, h, q_start + q0, BM, q_start + lq, D, tid, NT)
-                next_k0[0] = walk.k0(0)
-                copy_k(0, next_k0[0], tid, NT)
-                copy_v(0, next_k0[0], tid, NT)
-                if n > 1:
-                    next_k0[0] = walk.k0(1)
-                    copy_k(1, next_k0[0], tid, NT)
-                T.ptx["cp.async.commit_group"]()
-                if n > 0:
-                    T.ptx["cp.async.wait_group"](0)
-                    T.ptx.fence.proxy.async_.shared__cta()
-                    T.cuda.cta_sync()
-                    issue_s(0)
-                    softmax_next(0, 0, walk.k0(0))
-                    to_a_fragments(s, p, NS * 4)
-
-                # Iteration j: S_{j+1} = Q K_{j+1}^T and O += P_j V_j go to the tensor cores back to back;
-                # the softmax of S_{j+1} then runs while the PV product is still in flight. K and V
-                # rings of two: K_{j+2} and V_{j+1} are loaded into the slots of K_j and V_{j-1}, whose
-                # readers every warpgroup finished before the barrier. S_{j+1} goes first and the copies
-                # are issued while the tensor cores compute it: issued before the barrier or after
-                # PV_j (whose issue waits for the tensor cores), they delayed the next GEMM or the
-                # softmax (H100, bf16 D=128 16k: 10% of the forward's time).
-                for j in T.serial(n - 1):
-                    sync_tiles()
-                    issue_s(j + 1)
-                    fetch_tiles(j)
-                    prepare_pv()
-                    issue_pv(j)
-                    softmax_next(1, j + 1, tile_k0(j + 1))
-                    wait_pv(j)
-                    to_a_fragments(s, p, NS * 4)
-                if n > 0:
-                    sync_tiles()
-                    prepare_pv()
-                    issue_pv(n - 1)
-                    T.ptx.wgmma.wait_group.sync.aligned(0)
-                    fence_registers(o, ND * 4)
-                store_output(O, LSE, o, m, l, 1, ND, b, h, q_start + q0 + row0, q_start + lq, lane)
+                consumer_registers()
+                for item_of_cta in T.serial(items):
+                    run_item(item_of_cta, CONSUMER)
+        else:
+            run_item(0, ALL)
 
     return fwd.with_attr("global_symbol", "forward")

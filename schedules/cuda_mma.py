@@ -17,7 +17,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 from tvm.script.ir_builder import tirx as irb
 
-from tvmflash.kernels.common import LOG2E, NEG_INF
+from tvmflash.kernels.common import LOG2E, NEG_INF, KernelArgs
 from tvmflash.kernels.score_mods import ScoreIndex, unrolled_choice, with_kv_parts
 
 LN2 = math.log(2.0)
@@ -96,6 +96,14 @@ def grid_position(cta, tiles, pairs, group, kv_bytes, l2_bytes):
     within = cta - first * tiles
     width = tirx.min(per_section, pairs - first)
     return tirx.truncdiv(within, width), first + tirx.truncmod(within, width)
+
+
+def declare_cta_slots() -> tirx.Var:
+    """The CUDA forward kernels' last argument (declare it after the forward's others, while the
+    kernel is parsed): how many CTAs of the kernel the GPU runs at once, its SM count, which
+    tvmflash.ops passes. Persistent kernels launch at most this many; the others take it so that
+    every CUDA forward has one signature."""
+    return KernelArgs().scalar("cta_slots", "int32")
 
 
 @T.inline

@@ -4,6 +4,7 @@ scripts/device_check.sh): forward and gradients against a float64 reference with
 error rule (error <= 2x that of the same computation done by torch in the input dtype), and the
 deterministic backward bitwise reproducible."""
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -117,13 +118,18 @@ def test_cuda_decode_kernel_builds_with_a_deep_ring():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("knobs", [{}, {"wgmma_stages": 2, "wgmma_pingpong": 0}, {"wgmma_stages": 4, "wgmma_block_n": 64},
-                                   {"wgmma_producer": 0}], ids=["default", "2stages-free", "4stages", "lockstep"])
-def test_wgmma_forward_loop_forms_build(knobs):
+@pytest.mark.parametrize("knobs", [{}, {"wgmma_persistent": 1}, {"wgmma_stages": 2, "wgmma_pingpong": 0},
+                                   {"wgmma_stages": 4, "wgmma_block_n": 64}, {"wgmma_producer": 0}],
+                         ids=["default", "persistent", "2stages-free", "4stages", "lockstep"])
+def test_wgmma_forward_loop_forms_build(knobs, tmp_path):
     """The wgmma forward's loops at D=128 build with nvcc: the warp-specialized one (a producer
-    warpgroup, mbarrier rings, named-barrier turns) at the records' knobs and at the other
-    ring depths and free issue a retune may pick, and the lockstep one."""
+    warpgroup, mbarrier rings, named-barrier turns), persistent or a CTA an item, at the
+    records' knobs and at the other ring depths and free issue a retune may pick, and the
+    lockstep one. ptxas keeps the warp-specialized loop's register hand-over: where code after
+    it was shared by both roles (the persistent loop's first form), it ignored setmaxnreg
+    (C7507), spilled, and serialized every wgmma (C7512)."""
     import tvm
+    import tvm_ffi
     from tvmflash import build
 
     kernels = build.cuda_kernels(AttentionSpec("bfloat16", 128, causal="bottom_right"), "sm_90a", knobs)
@@ -132,8 +138,19 @@ def test_wgmma_forward_loop_forms_build(knobs):
     assert ("setmaxnreg" in script, "mbarrier" in script) == (ws, ws)
     assert ("T.ptx.bar(" in script) == (ws and knobs.get("wgmma_pingpong", 1) == 1)  # the turns
     build._prepare_cuda_codegen()
-    with tvm.target.Target(build.cuda_target("sm_90a")) as target:
-        tvm.compile(tvm.IRModule({"forward": kernels["forward"]}), target=target, tir_pipeline="tirx")
+    sources = []
+    tvm_ffi.register_global_func("tvm_callback_cuda_compile", lambda code: (sources.append(code), build._nvcc_cubin(code))[1],
+                                 override=True)
+    try:
+        with tvm.target.Target(build.cuda_target("sm_90a")) as target:
+            tvm.compile(tvm.IRModule({"forward": kernels["forward"]}), target=target, tir_pipeline="tirx")
+    finally:
+        build._prepare_cuda_codegen()
+    (tmp_path / "forward.cu").write_text(sources[0])
+    proc = subprocess.run(["nvcc", "--cubin", "-O3", "-arch=sm_90a", "-o", str(tmp_path / "forward.cubin"),
+                           str(tmp_path / "forward.cu")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "C7507" not in proc.stderr and "C7512" not in proc.stderr, proc.stderr[-2000:]
 
 
 @needs_compiler

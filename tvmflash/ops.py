@@ -241,8 +241,15 @@ def _forward(q, k, v, mask, scale, causal, window=(-1, -1), softcap=0.0, alibi_s
             kern[name](q, k, v, out, lse, scale, *mod_args, *_bf16x3_packs(kern, k, v))
         else:
             name = _forward_kernel_name(kern, q, k, window, causal != "none")
-            kern[name](q, k, v, out, lse, scale, *mod_args, *_amx_packs(kern, k, v))
+            kern[name](q, k, v, out, lse, scale, *mod_args, *_forward_tail_args(kern, q, k, v))
     return out, lse
+
+
+def _forward_tail_args(kern: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """The forward kernels' arguments after the modifiers': on CUDA the SM count (the CTAs a
+    persistent forward launches, schedules/cuda_mma.declare_cta_slots), on the CPU the AMX
+    forward's packed K and V^T where it has them."""
+    return (_sm_count(q.device),) if q.is_cuda else _amx_packs(kern, k, v)
 
 
 def _takes_bf16x3(kern: dict, q: torch.Tensor) -> bool:

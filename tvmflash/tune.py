@@ -562,7 +562,7 @@ def _attention_problem(kern: dict, spec: AttentionSpec, batch: int, heads: int, 
     ops calls them; the backward uses the o and lse of the last forward."""
     import torch
 
-    from .ops import _amx_packs, _backward_cpu, _backward_cuda, _forward_kernel_name
+    from .ops import _amx_packs, _backward_cpu, _backward_cuda, _forward_kernel_name, _forward_tail_args
 
     dt = getattr(torch, spec.dtype)
     q, k, v, do = (torch.randn(batch, heads, seqlen, spec.head_dim, device=device, dtype=dt) for _ in range(4))
@@ -571,7 +571,7 @@ def _attention_problem(kern: dict, spec: AttentionSpec, batch: int, heads: int, 
     scale, args = spec.head_dim ** -0.5, _mod_args(spec, q, values)
     if device == "cuda":
         def forward(name="forward"):
-            kern[name](q, k, v, o, lse, scale, *args)
+            kern[name](q, k, v, o, lse, scale, *args, *_forward_tail_args(kern, q, k, v))
 
         def backward():
             _backward_cuda(kern, do, q, k, v, o, lse, None, args, scale, False, dq, dk, dv)
