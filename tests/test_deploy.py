@@ -46,7 +46,7 @@ def exported(tmp_path_factory):
 
 
 def test_manifest_describes_each_module(exported):
-    from tvmflash import build
+    from tvmflash import build, deploy
     from tvmflash.spec import AttentionSpec
 
     manifest = json.loads((exported / "manifest.json").read_text())
@@ -54,6 +54,7 @@ def test_manifest_describes_each_module(exported):
     assert module["spec_name"] == AttentionSpec("float32", 32, "bottom_right").name
     assert module["target"] == build.host_target() and module["tvm"] == build._tvm().__version__
     assert "forward" in module["kernels"] and len(module["sha256"]) == 64 and module["tuning_sha256"]
+    assert module["kernel_abi"] == deploy.KERNEL_ABI["llvm"]
     assert (exported / module["file"]).stat().st_size == module["size"]
 
 
@@ -68,7 +69,7 @@ def test_runtime_only_process_runs_exported_modules(exported, tmp_path):
     assert not list((tmp_path / "empty-cache").glob("*.so"))  # nothing built
 
 
-@pytest.mark.parametrize("damage", ["library", "tvm version"])
+@pytest.mark.parametrize("damage", ["library", "tvm version", "kernel abi"])
 def test_a_manifest_that_does_not_match_is_refused(exported, tmp_path, damage):
     import shutil
 
@@ -81,10 +82,13 @@ def test_a_manifest_that_does_not_match_is_refused(exported, tmp_path, damage):
         lib = copy / manifest["modules"][0]["file"]
         data = lib.read_bytes()
         lib.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
-    else:
+    elif damage == "tvm version":
         manifest["modules"][0]["tvm"] = "0.19.0"
-        (copy / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ValueError, match="sha256 does not match" if damage == "library" else "built by TVM 0.19"):
+    else:  # an export from before a change of the kernels' arguments
+        manifest["modules"][0]["kernel_abi"] += 1
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    match = {"library": "sha256 does not match", "tvm version": "built by TVM 0.19", "kernel abi": "export it again"}
+    with pytest.raises(ValueError, match=match[damage]):
         load_exported(copy)
     with pytest.raises(ValueError, match="no manifest.json"):
         load_exported(tmp_path)

@@ -23,6 +23,10 @@ from pathlib import Path
 from .spec import AttentionSpec
 
 MANIFEST = "manifest.json"
+# The kernels' calling convention by target kind, recorded in the manifest: raised when a kernel's
+# arguments change, so that modules exported before are refused by name, not by an argument
+# count error at their first call (CUDA 1: every forward takes the SM count, `cta_slots`)
+KERNEL_ABI = {"cuda": 1, "llvm": 0}
 _exported: dict = {}  # (spec, target kind, target label) -> library path
 _env_loaded: set = set()
 
@@ -58,7 +62,7 @@ def export(specs: list, target: dict, out_dir: Path) -> Path:
         knobs = tuned_knobs(_tuning_kind(target), spec)
         entries[(spec.name, target["kind"], target_label(target))] = {
             "file": name, "spec_name": spec.name, "spec": spec.to_dict(), "target": target,
-            "kernels": list(kernels_of(spec, target)), "tvm": _tvm().__version__,
+            "kernels": list(kernels_of(spec, target)), "kernel_abi": KERNEL_ABI[target["kind"]], "tvm": _tvm().__version__,
             "tuning": knobs, "tuning_sha256": hashlib.sha256(json.dumps(knobs, sort_keys=True).encode()).hexdigest(),
             "sha256": _sha256(out_dir / name), "size": (out_dir / name).stat().st_size}
     from . import __version__
@@ -87,6 +91,10 @@ def load_exported(directory) -> list[AttentionSpec]:
         lib = directory / m["file"]
         if m["tvm"].split(".")[:2] != runtime.split(".")[:2]:
             raise ValueError(f"{lib}: built by TVM {m['tvm']}, this runtime is {runtime}")
+        abi = m.get("kernel_abi", 0)
+        if abi != KERNEL_ABI[m["target"]["kind"]]:
+            raise ValueError(f"{lib}: exported by a tvmflash whose kernels take other arguments (kernel ABI {abi}, "
+                             f"this one calls ABI {KERNEL_ABI[m['target']['kind']]}): export it again")
         if not lib.exists() or _sha256(lib) != m["sha256"]:
             raise ValueError(f"{lib}: missing, or its sha256 does not match {path}")
         spec = spec_from_dict(m["spec"])
