@@ -466,7 +466,6 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                     done[0] = done[0] + T.Cast("int32", n)
                     done[1] = done[1] + T.Cast("int32", n > 0)
 
-
         if PERSISTENT:
             init_barriers()
             items = T.meta_var((total - 1 - T.Cast("int64", cta)) // grid + 1)
