@@ -91,10 +91,10 @@ def load_exported(directory) -> list[AttentionSpec]:
         lib = directory / m["file"]
         if m["tvm"].split(".")[:2] != runtime.split(".")[:2]:
             raise ValueError(f"{lib}: built by TVM {m['tvm']}, this runtime is {runtime}")
-        abi = m.get("kernel_abi", 0)
-        if abi != KERNEL_ABI[m["target"]["kind"]]:
+        abi, calls = m.get("kernel_abi", 0), KERNEL_ABI[m["target"]["kind"]]
+        if abi != calls:
             raise ValueError(f"{lib}: exported by a tvmflash whose kernels take other arguments (kernel ABI {abi}, "
-                             f"this one calls ABI {KERNEL_ABI[m['target']['kind']]}): export it again")
+                             f"this one calls ABI {calls}): export it again")
         if not lib.exists() or _sha256(lib) != m["sha256"]:
             raise ValueError(f"{lib}: missing, or its sha256 does not match {path}")
         spec = spec_from_dict(m["spec"])

@@ -562,7 +562,7 @@ def _attention_problem(kern: dict, spec: AttentionSpec, batch: int, heads: int, 
     ops calls them; the backward uses the o and lse of the last forward."""
     import torch
 
-    from .ops import _amx_packs, _backward_cpu, _backward_cuda, _forward_kernel_name, _forward_tail_args
+    from .ops import _backward_cpu, _backward_cuda, _forward_kernel_name, _forward_tail_args
 
     dt = getattr(torch, spec.dtype)
     q, k, v, do = (torch.randn(batch, heads, seqlen, spec.head_dim, device=device, dtype=dt) for _ in range(4))
@@ -581,7 +581,8 @@ def _attention_problem(kern: dict, spec: AttentionSpec, batch: int, heads: int, 
         request_amx()  # before the first AMX kernel of the process
 
         def forward(name=None):
-            kern[name or _forward_kernel_name(kern, q, k)](q, k, v, o, lse, scale, *args, *_amx_packs(kern, k, v))
+            kern[name or _forward_kernel_name(kern, q, k)](q, k, v, o, lse, scale, *args,
+                                                           *_forward_tail_args(kern, q, k, v))
 
         def backward():
             _backward_cpu(kern, do, q, k, v, o, lse, None, args, scale, dq, dk, dv)
