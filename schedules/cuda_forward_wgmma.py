@@ -174,6 +174,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         done[0] = 0
         done[1] = 0
         place = T.alloc_local([2], "int64")  # the item's (tile rank, batch x head)
+        batch_head = T.alloc_local([2], "int64")  # its batch and head: divided once an item
         seq = T.alloc_local([tiles.registers()], "int64")
         kv0 = T.alloc_local([1], "int64")
         kv_next = T.alloc_local([1], "int64")  # the next tile's first key, read ahead of its wait
@@ -213,7 +214,10 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
             item = T.meta_var(T.Cast("int64", cta) + item_of_cta * grid if PERSISTENT else cta)
             # K and V: 2 x D 16-bit elements a key
             cta_position(place, item, ntiles, B * H, tirx.truncdiv(H, HK), LK * (4 * D), knobs["cta_order_l2_mb"] << 20)
-            b, h = T.meta_var(batch_and_head(place[1], H))
+            item_b, item_h = T.meta_var(batch_and_head(place[1], H))
+            batch_head[0] = item_b
+            batch_head[1] = item_h
+            b, h = T.meta_var((batch_head[0], batch_head[1]))
             hk = T.meta_var(tirx.truncdiv(h, tirx.truncdiv(H, HK)))
             # tiles in reverse: under a causal mask the last ones have the most keys, and the
             # longest items should start first

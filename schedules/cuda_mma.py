@@ -76,9 +76,12 @@ def smem_scope(nbytes: int) -> str:
 def batch_and_head(bh, heads):
     """(batch, head), as int64, of a CTA whose grid index `bh` runs over batch x heads
     (truncating division: both are positive, and floor division's sign fix-ups would be
-    repeated in every expression that indexes by them, e.g. each score's ALiBi slope)."""
-    bh = tirx.Cast("int64", bh)
-    return tirx.truncdiv(bh, heads), tirx.truncmod(bh, heads)
+    repeated in every expression that indexes by them, e.g. each score's ALiBi slope). The
+    division is 32-bit (batch x heads < 2^31): a 64-bit one is a call in SASS, and a call in a
+    persistent kernel's item loop made ptxas keep the wgmma descriptors out of uniform registers
+    (four R2UR and six integer ops more a wgmma)."""
+    bh, heads = tirx.Cast("int32", bh), tirx.Cast("int32", heads)
+    return tirx.Cast("int64", tirx.truncdiv(bh, heads)), tirx.Cast("int64", tirx.truncmod(bh, heads))
 
 
 def grid_position(cta, tiles, pairs, group, kv_bytes, l2_bytes):
@@ -90,12 +93,14 @@ def grid_position(cta, tiles, pairs, group, kv_bytes, l2_bytes):
     Ranks go major within sections of consecutive pairs whose K and V (`kv_bytes` a kv-head,
     `group` query heads to one) fit in `l2_bytes`: the CTAs in flight then read K/V that stays
     in L2, as with pair-major order. All arguments are non-negative (truncating division)."""
-    cta = tirx.Cast("int64", cta)
-    per_section = tirx.min(tirx.max(tirx.truncdiv(tirx.const(l2_bytes, "int64"), kv_bytes), 1) * group, pairs)
+    # 32-bit per CTA (or persistent item): CTAs and tiles x pairs < 2^31 (see batch_and_head)
+    per_section = tirx.Cast("int32", tirx.min(tirx.max(tirx.truncdiv(tirx.const(l2_bytes, "int64"), kv_bytes), 1)
+                                              * group, pairs))
+    cta, tiles, pairs = (tirx.Cast("int32", x) for x in (cta, tiles, pairs))
     first = tirx.truncdiv(cta, per_section * tiles) * per_section
     within = cta - first * tiles
     width = tirx.min(per_section, pairs - first)
-    return tirx.truncdiv(within, width), first + tirx.truncmod(within, width)
+    return tirx.Cast("int64", tirx.truncdiv(within, width)), tirx.Cast("int64", first + tirx.truncmod(within, width))
 
 
 def declare_cta_slots() -> tirx.Var:
@@ -622,17 +627,19 @@ def row_reciprocal(l):
 @T.inline
 def store_output(O, LSE, o, m, l, n_mt, nd, b, h, q_row0, seqlen_q, lane):
     """O = o / l and LSE = m ln2 + ln l of the rows of `online_softmax`; rows that saw no key
-    (l = 0) get O = 0 and LSE = -inf."""
+    (l = 0) get O = 0 and LSE = -inf. A row's 1 / l goes to a register first: as an expression
+    each store repeated its division (32 IEEE divisions with slow-path calls a thread, at D=128)."""
+    inv_l = T.alloc_local([2], "float32")
     for mt in T.unroll(n_mt):
         for hh in T.unroll(2):
             l[mt * 2 + hh] = T.cuda.warp_sum(l[mt * 2 + hh], width=4)
             row = T.meta_var(q_row0 + mt * 16 + lane // 4 + hh * 8)
-            inv_l = T.meta_var(row_reciprocal(l[mt * 2 + hh]))
+            inv_l[hh] = row_reciprocal(l[mt * 2 + hh])
             if row < seqlen_q:
                 for dd in T.unroll(nd):
                     for e in T.vectorized(2):
                         O[b, h, row, dd * 8 + lane % 4 * 2 + e] = T.Cast(
-                            O.dtype, o[(mt * nd + dd) * 4 + hh * 2 + e] * inv_l)
+                            O.dtype, o[(mt * nd + dd) * 4 + hh * 2 + e] * inv_l[hh])
                 if lane % 4 == 0:
                     LSE[b, h, row] = T.Select(l[mt * 2 + hh] == T.float32(0), NEG_INF,
                                               m[mt * 2 + hh] * T.float32(LN2) + T.log(l[mt * 2 + hh]))
