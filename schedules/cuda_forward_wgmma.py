@@ -38,9 +38,15 @@ Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/ (tvmflash.tuning)):
     wgmma_poly_exp2   eighths of a softcap tile's exponents computed by a polynomial on the
                       FMA pipe (`cuda_mma.poly_exp2_into`), not MUFU.EX2 (which tanh shares)
     wgmma_persistent  1: the warp-specialized loop runs persistent CTAs (at most one an SM, the
-                      `cta_slots` argument), each taking every grid-th item; 0: a CTA an item
-                      (the default: the persistent loop builds and passes ptxas's checks but
-                      has not run on a GPU yet; with 0 the generated kernel is the one before it)
+                      `cta_slots` argument), each taking every grid-th item; 0 (default): a CTA
+                      an item. H100, bf16 D=128, 16 heads, against 0 in one process (2026-12-06):
+                      1.13x at 1k queries x 256 keys and 1.11x on a flex sliding window (1024,
+                      16k), but 0.98 / 0.96 / 0.93x dense at 1k / 4k / 16k (the item loop's code
+                      runs 5-8% slower even at one item a CTA: ncu, +4.3% instructions) and
+                      0.83 / 0.66 / 0.63x causal, 0.82x a flex document mask (static striding:
+                      CTAs get unequal work and their K/V window in L2 drifts apart)
+    wgmma_stage_lists 1: a block mask's tile lists are staged in shared memory per CTA (one item
+                      a CTA); 0: read in place, the next tile's first key ahead of its wait
 """
 from __future__ import annotations
 
@@ -61,7 +67,7 @@ from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registe
 
 DEFAULTS = {"forward_wgmma": 1, "wgmma_block_n": 128, "wgmma_warpgroups": 2, "cta_order_l2_mb": 8,
             "wgmma_producer": 1, "wgmma_stages": 3, "wgmma_pingpong": 1, "wgmma_poly_exp2": 1,
-            "wgmma_persistent": 0}
+            "wgmma_persistent": 0, "wgmma_stage_lists": 1}
 # the warp-specialized loop's producer warpgroup's registers a thread (setmaxnreg); its two
 # consumers share the rest of the 512 a thread slot has over three warpgroups
 PRODUCER_REGS = 40
@@ -113,7 +119,9 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     PERSISTENT = WS and knobs["wgmma_persistent"] == 1
     # a block mask's tile lists staged in shared memory: with one item a CTA (persistent, the
     # producer and the consumers work on different items; the lists are read in place)
-    STAGED = spec.block_sparse and not PERSISTENT
+    STAGED = spec.block_sparse and not PERSISTENT and knobs["wgmma_stage_lists"] == 1
+    # a tile's first key read before the wait for its tile (a list load, when read in place)
+    READ_AHEAD = PERSISTENT or (spec.block_sparse and not STAGED)
     BM = 64 * NWG
     check_dropout_blocks(spec, BM, BN)
     NC = 128 * NWG              # consumer threads (all threads without a producer)
@@ -387,7 +395,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                             softmax_next(0, 0, walk.k0(0))
                             to_a_fragments(s, p, NS * 4)
                         for j in T.serial(n - 1):
-                            if PERSISTENT:  # a block mask's lists are read in place: ahead of the wait
+                            if READ_AHEAD:
                                 kv_next[0] = tile_k0(j + 1)
                             prepare_pv()
                             wait_full(j + 1)
@@ -395,7 +403,7 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                             issue_s(j + 1)
                             issue_pv(j)
                             pass_turn()
-                            softmax_next(1, j + 1, kv_next[0] if PERSISTENT else tile_k0(j + 1))
+                            softmax_next(1, j + 1, kv_next[0] if READ_AHEAD else tile_k0(j + 1))
                             wait_pv(j)
                             to_a_fragments(s, p, NS * 4)
                         if n > 0:

@@ -117,22 +117,38 @@ def test_cuda_decode_kernel_builds_with_a_deep_ring():
         decode_kernel_cuda(spec, {**DEFAULTS, "decode_stages": 7})
 
 
+def _causal_block_mask_spec():
+    from tvmflash import flex
+    from tvmflash.ops import register_flex, spec_for
+
+    mask = flex.trace(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, "mask")[0]
+    return spec_for(torch.empty(1, 1, 1, 128, dtype=torch.bfloat16), None, "none",
+                    flex=register_flex((("mask", mask, (128, 128)),)))
+
+
 @needs_nvcc
 @pytest.mark.parametrize("knobs", [{}, {"wgmma_persistent": 1}, {"wgmma_stages": 2, "wgmma_pingpong": 0},
-                                   {"wgmma_stages": 4, "wgmma_block_n": 64}, {"wgmma_producer": 0}],
-                         ids=["default", "persistent", "2stages-free", "4stages", "lockstep"])
+                                   {"wgmma_stages": 4, "wgmma_block_n": 64}, {"wgmma_producer": 0},
+                                   {"block_mask": True, "wgmma_stage_lists": 0},
+                                   {"block_mask": True, "wgmma_stage_lists": 1}],
+                         ids=["default", "persistent", "2stages-free", "4stages", "lockstep", "mask-lists-in-place",
+                              "mask-lists-staged"])
 def test_wgmma_forward_loop_forms_build(knobs, tmp_path):
     """The wgmma forward's loops at D=128 build with nvcc: the warp-specialized one (a producer
     warpgroup, mbarrier rings, named-barrier turns), persistent or a CTA an item, at the
-    records' knobs and at the other ring depths and free issue a retune may pick, and the
-    lockstep one. ptxas keeps the warp-specialized loop's register hand-over: where code after
-    it was shared by both roles (the persistent loop's first form), it ignored setmaxnreg
-    (C7507), spilled, and serialized every wgmma (C7512)."""
+    records' knobs and at the other ring depths and free issue a retune may pick, the lockstep
+    one, and a block mask's walk with its tile lists read in place or staged. ptxas keeps the
+    warp-specialized loop's register hand-over: where code after it was shared by both roles
+    (the persistent loop's first form), it ignored setmaxnreg (C7507), spilled, and serialized
+    every wgmma (C7512)."""
     import tvm
     import tvm_ffi
     from tvmflash import build
 
-    kernels = build.cuda_kernels(AttentionSpec("bfloat16", 128, causal="bottom_right"), "sm_90a", knobs)
+    knobs = dict(knobs)
+    masked = knobs.pop("block_mask", False)
+    spec = _causal_block_mask_spec() if masked else AttentionSpec("bfloat16", 128, causal="bottom_right")
+    kernels = build.cuda_kernels(spec, "sm_90a", knobs)
     script = kernels["forward"].script()
     ws = knobs.get("wgmma_producer", 1) == 1
     assert ("setmaxnreg" in script, "mbarrier" in script) == (ws, ws)

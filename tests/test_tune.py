@@ -21,6 +21,16 @@ def test_candidates_respect_shared_memory_and_registers():
     softcap = tune.candidates(AttentionSpec("bfloat16", 128, variants=("softcap",)))
     assert sorted({c["wgmma_poly_exp2"] for c in softcap}) == [0, 1, 2]
     assert len(softcap) == 3 * len(tune.candidates(AttentionSpec("bfloat16", 128)))
+    # a flex block mask's tile lists: staged in shared memory or read in place
+    from tvmflash import flex
+    from tvmflash.ops import register_flex, spec_for
+
+    mask = flex.trace(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, "mask")[0]
+    masked = spec_for(torch.empty(1, 1, 1, 128, dtype=torch.bfloat16), None, "none",
+                      flex=register_flex((("mask", mask, (128, 128)),)))
+    lists = tune.candidates(masked)
+    assert masked.block_sparse and sorted({c["wgmma_stage_lists"] for c in lists}) == [0, 1]
+    assert len(lists) == 2 * len(tune.candidates(AttentionSpec("bfloat16", 128)))
 
 
 def test_hopper_candidates_are_the_wgmma_knobs_that_fit():

@@ -78,9 +78,11 @@ def candidates(spec: AttentionSpec, phase: str = "forward", arch: str = "sm_90a"
     if phase == "forward" and cuda_forward_wgmma.supports(spec, arch):
         # a softcap's exponents split between MUFU and the FMA pipe (knob of no other spec)
         polys = [{"wgmma_poly_exp2": k} for k in (0, 1, 2)] if "softcap" in spec.variants else [{}]
-        for bn, wg, poly in itertools.product((64, 128), (1, 2), polys):
+        # a block mask's tile lists staged in shared memory or read in place (knob of those specs)
+        lists = [{"wgmma_stage_lists": k} for k in (0, 1)] if spec.block_sparse else [{}]
+        for bn, wg, poly, staging in itertools.product((64, 128), (1, 2), polys, lists):
             if (64 * wg + 4 * bn) * d * 2 <= SHARED_LIMIT:  # Q + two K and two V tiles
-                out.append({"forward_wgmma": 1, "wgmma_block_n": bn, "wgmma_warpgroups": wg, **poly})
+                out.append({"forward_wgmma": 1, "wgmma_block_n": bn, "wgmma_warpgroups": wg, **poly, **staging})
     elif phase == "forward":
         for bm, bn, q_regs, mt, st in itertools.product((64, 128), (32, 64, 128), (1, 0), (1, 2), (2, 3)):
             # two m-tiles per warp double the accumulators: only where registers allow
