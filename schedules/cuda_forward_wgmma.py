@@ -71,6 +71,9 @@ DEFAULTS = {"forward_wgmma": 1, "wgmma_block_n": 128, "wgmma_warpgroups": 2, "ct
 # the warp-specialized loop's producer warpgroup's registers a thread (setmaxnreg); its two
 # consumers share the rest of the 512 a thread slot has over three warpgroups
 PRODUCER_REGS = 40
+# the fewest registers a thread that lockstep CTAs sharing an SM are held to (the D=64 loop's
+# allocation before ptxas grew it)
+MIN_SHARED_SM_REGS = 168
 ALL, PRODUCER, CONSUMER = "all", "producer", "consumer"  # whose part of an item `run_item` emits
 SMEM_BYTES = 232448  # a CTA's shared memory on sm_90a
 # a block mask's kv tiles whose first keys a CTA stages in shared memory (the lists' loads
@@ -145,6 +148,12 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     meta_words = -(-(8 * bar_words + 4 * listed) // 1024) * 128
     LIST0 = 2 * bar_words  # the tile list's first int32 in the buffer
 
+    # Lockstep CTAs of one warpgroup can share an SM (D=64: three by shared memory, at <= 170
+    # registers a thread). Say so to ptxas: left to itself it took 193 registers for the dense
+    # D=64 loop once batch / head divided in 32 bits (was 168), and lost a CTA an SM (0.90-0.95x).
+    ctas_an_sm = SMEM_BYTES // (2 * POOL + 8 * meta_words + 1024)
+    SHARE_SM = not WS and ctas_an_sm > 1 and 65536 // (NT * ctas_an_sm) >= MIN_SHARED_SM_REGS
+
     shape = Shape.fresh()
     B, H, HK, LQ, LK = shape.batch, shape.heads, shape.heads_k, shape.seqlen_q, shape.seqlen_k
 
@@ -154,6 +163,8 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         Q, K, V, O, LSE, scale, score = T.meta_var(declare_forward_args(spec, shape))
         cta_slots = T.meta_var(declare_cta_slots())
         T.device_entry()
+        if SHARE_SM:
+            T.attr({"tirx.launch_bounds_min_blocks_per_sm": ctas_an_sm})
         tiles = T.meta_var(SequenceTiles(score, LQ, LK, BM))  # packed sequences' own query tiles
         ntiles = T.meta_var(T.Cast("int64", tiles.count))
         total = T.meta_var(ntiles * B * H)  # work items: (query tile, batch x head)

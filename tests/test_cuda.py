@@ -170,6 +170,19 @@ def test_wgmma_forward_loop_forms_build(knobs, tmp_path):
 
 
 @needs_compiler
+def test_lockstep_forward_declares_the_ctas_an_sm_its_shared_memory_allows():
+    """The D=64 lockstep forward (one warpgroup) tells ptxas that three CTAs share an SM, which
+    holds it to 170 registers a thread (it took 193 on its own and lost a CTA an SM); the
+    warp-specialized D=128 one runs a CTA an SM and says nothing."""
+    from tvmflash.build import cuda_kernels
+
+    lockstep = cuda_kernels(AttentionSpec("bfloat16", 64), "sm_90a", {"wgmma_warpgroups": 1, "wgmma_block_n": 128})
+    assert '"tirx.launch_bounds_min_blocks_per_sm": 3' in lockstep["forward"].script()
+    specialized = cuda_kernels(AttentionSpec("bfloat16", 128), "sm_90a")["forward"]
+    assert "launch_bounds_min_blocks_per_sm" not in specialized.script()
+
+
+@needs_compiler
 def test_wgmma_forward_refuses_rings_that_do_not_fit_shared_memory():
     from tvmflash.build import cuda_kernels
 
