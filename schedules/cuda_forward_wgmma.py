@@ -48,6 +48,11 @@ Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/ (tvmflash.tuning)):
     wgmma_stage_lists 1: a block mask's tile lists are staged in shared memory per CTA (one item
                       a CTA); 0: read in place, the next tile's first key ahead of its wait
                       (H100, flex window / document / causal masks: 0.93-0.99x of staged)
+    wgmma_uniform_warpgroup  1: the warpgroup index is broadcast from lane 0 (a warp shuffle),
+                      which lets ptxas keep Q's wgmma descriptors in uniform registers: bf16
+                      D=128 tile loop 1045 -> 1033 instructions, no R2UR (16 before); persistent
+                      1064 -> 1021. 0 (default) until measured on a GPU; then it should be
+                      unconditional and the knob go
 """
 from __future__ import annotations
 
@@ -68,7 +73,7 @@ from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registe
 
 DEFAULTS = {"forward_wgmma": 1, "wgmma_block_n": 128, "wgmma_warpgroups": 2, "cta_order_l2_mb": 8,
             "wgmma_producer": 1, "wgmma_stages": 3, "wgmma_pingpong": 1, "wgmma_poly_exp2": 1,
-            "wgmma_persistent": 0, "wgmma_stage_lists": 1}
+            "wgmma_persistent": 0, "wgmma_stage_lists": 1, "wgmma_uniform_warpgroup": 0}
 # the warp-specialized loop's producer warpgroup's registers a thread (setmaxnreg); its two
 # consumers share the rest of the 512 a thread slot has over three warpgroups
 PRODUCER_REGS = 40
@@ -115,12 +120,14 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     if BN % 16 or not 16 <= BN <= 256 or NWG not in (1, 2, 3):
         raise ValueError(f"bad wgmma forward knobs {knobs}")
     if knobs["wgmma_producer"] not in (0, 1) or knobs["wgmma_stages"] not in (2, 3, 4) \
-            or not 0 <= knobs["wgmma_poly_exp2"] <= 8 or knobs["wgmma_persistent"] not in (0, 1):
+            or not 0 <= knobs["wgmma_poly_exp2"] <= 8 or knobs["wgmma_persistent"] not in (0, 1) \
+            or knobs["wgmma_uniform_warpgroup"] not in (0, 1):
         raise ValueError(f"bad wgmma forward knobs {knobs}")
     WS = warp_specialized(knobs)  # else lockstep
     STAGES = knobs["wgmma_stages"] if WS else 2
     PINGPONG = WS and knobs["wgmma_pingpong"] == 1
     PERSISTENT = WS and knobs["wgmma_persistent"] == 1
+    UNIFORM_WG = knobs["wgmma_uniform_warpgroup"] == 1
     # a block mask's tile lists staged in shared memory: with one item a CTA (persistent, the
     # producer and the consumers work on different items; the lists are read in place)
     STAGED = spec.block_sparse and not PERSISTENT and knobs["wgmma_stage_lists"] == 1
@@ -175,7 +182,10 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
         cta = T.cta_id([T.Cast("int32", grid)])
         tid = T.thread_id([NT])
         lane = T.meta_var(tid % 32)
-        wg = T.meta_var(tid // 128)
+        if UNIFORM_WG:  # from lane 0: ptxas then knows a warp agrees on it (see the knob)
+            warpgroup = T.alloc_local([1], "int32")
+            warpgroup[0] = T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), tid // 128, 0, 32, 32)
+        wg = T.meta_var(warpgroup[0] if UNIFORM_WG else tid // 128)
         pool = T.alloc_buffer((POOL,), dt, scope="shared.dyn", align=ATOM_BYTES)
         desc_k = T.alloc_local([1], "uint64")  # K-major layout (Q, K)
         desc_v = T.alloc_local([1], "uint64")  # MN-major layout (V)

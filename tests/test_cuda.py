@@ -130,9 +130,10 @@ def _causal_block_mask_spec():
 @pytest.mark.parametrize("knobs", [{}, {"wgmma_persistent": 1}, {"wgmma_stages": 2, "wgmma_pingpong": 0},
                                    {"wgmma_stages": 4, "wgmma_block_n": 64}, {"wgmma_producer": 0},
                                    {"block_mask": True, "wgmma_stage_lists": 0},
-                                   {"block_mask": True, "wgmma_stage_lists": 1}],
+                                   {"block_mask": True, "wgmma_stage_lists": 1},
+                                   {"wgmma_persistent": 1, "wgmma_uniform_warpgroup": 1}],
                          ids=["default", "persistent", "2stages-free", "4stages", "lockstep", "mask-lists-in-place",
-                              "mask-lists-staged"])
+                              "mask-lists-staged", "persistent-uniform-warpgroup"])
 def test_wgmma_forward_loop_forms_build(knobs, tmp_path):
     """The wgmma forward's loops at D=128 build with nvcc: the warp-specialized one (a producer
     warpgroup, mbarrier rings, named-barrier turns), persistent or a CTA an item, at the
