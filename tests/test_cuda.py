@@ -117,15 +117,6 @@ def test_cuda_decode_kernel_builds_with_a_deep_ring():
         decode_kernel_cuda(spec, {**DEFAULTS, "decode_stages": 7})
 
 
-def _causal_block_mask_spec():
-    from tvmflash import flex
-    from tvmflash.ops import register_flex, spec_for
-
-    mask = flex.trace(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, "mask")[0]
-    return spec_for(torch.empty(1, 1, 1, 128, dtype=torch.bfloat16), None, "none",
-                    flex=register_flex((("mask", mask, (128, 128)),)))
-
-
 @needs_nvcc
 @pytest.mark.parametrize("knobs", [{}, {"wgmma_persistent": 1}, {"wgmma_stages": 2, "wgmma_pingpong": 0},
                                    {"wgmma_stages": 4, "wgmma_block_n": 64}, {"wgmma_producer": 0},
@@ -148,7 +139,9 @@ def test_wgmma_forward_loop_forms_build(knobs, tmp_path):
 
     knobs = dict(knobs)
     masked = knobs.pop("block_mask", False)
-    spec = _causal_block_mask_spec() if masked else AttentionSpec("bfloat16", 128, causal="bottom_right")
+    causal_mask = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx  # noqa: E731
+    spec = (flex_spec(torch.bfloat16, 128, None, causal_mask, 128) if masked
+            else AttentionSpec("bfloat16", 128, causal="bottom_right"))
     kernels = build.cuda_kernels(spec, "sm_90a", knobs)
     script = kernels["forward"].script()
     ws = knobs.get("wgmma_producer", 1) == 1
@@ -678,17 +671,21 @@ def _flex_cases():
     ]
 
 
-def cuda_flex_specs() -> list:
-    """The specs of _flex_cases (scripts/device_prebuild.py builds them for the device)."""
+def flex_spec(dtype, d: int, score_mod, mask_mod, block: int):
+    """The spec flex_attention calls with `score_mod` and a block mask of `mask_mod` in square
+    blocks of `block` (either may be None)."""
     from tvmflash import flex
     from tvmflash.ops import register_flex, spec_for
 
-    out = []
-    for _, dtype, d, score_mod, mask_mod, block in _flex_cases():
-        programs = (("score", flex.trace(score_mod, "score")[0], None),) if score_mod else ()
-        programs += (("mask", flex.trace(mask_mod, "mask")[0], (block, block)),) if mask_mod else ()
-        out.append(spec_for(torch.empty(1, 1, 1, d, dtype=dtype), None, "none", flex=register_flex(programs)))
-    return out
+    programs = (("score", flex.trace(score_mod, "score")[0], None),) if score_mod else ()
+    programs += (("mask", flex.trace(mask_mod, "mask")[0], (block, block)),) if mask_mod else ()
+    return spec_for(torch.empty(1, 1, 1, d, dtype=dtype), None, "none", flex=register_flex(programs))
+
+
+def cuda_flex_specs() -> list:
+    """The specs of _flex_cases (scripts/device_prebuild.py builds them for the device)."""
+    return [flex_spec(dtype, d, score_mod, mask_mod, block)
+            for _, dtype, d, score_mod, mask_mod, block in _flex_cases()]
 
 
 @needs_gpu

@@ -22,12 +22,9 @@ def test_candidates_respect_shared_memory_and_registers():
     assert sorted({c["wgmma_poly_exp2"] for c in softcap}) == [0, 1, 2]
     assert len(softcap) == 3 * len(tune.candidates(AttentionSpec("bfloat16", 128)))
     # a flex block mask's tile lists: staged in shared memory or read in place
-    from tvmflash import flex
-    from tvmflash.ops import register_flex, spec_for
+    from test_cuda import flex_spec
 
-    mask = flex.trace(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, "mask")[0]
-    masked = spec_for(torch.empty(1, 1, 1, 128, dtype=torch.bfloat16), None, "none",
-                      flex=register_flex((("mask", mask, (128, 128)),)))
+    masked = flex_spec(torch.bfloat16, 128, None, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, 128)
     lists = tune.candidates(masked)
     assert masked.block_sparse and sorted({c["wgmma_stage_lists"] for c in lists}) == [0, 1]
     assert len(lists) == 2 * len(tune.candidates(AttentionSpec("bfloat16", 128)))
