@@ -5,13 +5,17 @@ more than most changes). Build each version's module into a folder from its chec
 the folders together on the machine that runs them (TVM's runtime is enough there).
 
     python scripts/module_ab.py build DIR SPEC [--target cuda|avx512|host] [--knobs JSON]   # SPEC: presets.parse_spec's
+                                                                   # or flex:CASE (below)
     python scripts/module_ab.py run DIR_A DIR_B ... [--shape B,L,H,D] [--kwargs JSON] [--plain] [--out F.jsonl]
                                    [--fp32-precision high]   # inputs of the folders' spec's dtype
 
 `--kwargs`: flash_attn_func's keywords for the call (e.g. '{"softcap": 30.0}'; "alibi_slopes":
 true passes random slopes), which must select the folders' spec. `--plain` also times the call
 without the variant's keywords (causal kept) from the ordinary module cache, and reports each
-folder's time against it. Speedups are against the first folder.
+folder's time against it. Speedups are against the first folder. SPEC `flex:CASE` is one of
+scripts/flex_bench.py's cases, named by its first word (causal, sliding, alibi, document): the
+folders' modules are timed under `tvmflash.flex.flex_attention` with that case's score_mod and
+block mask (--shape's B,L,H,D; the tensors in flex's (B, H, L, D) layout).
 """
 import argparse
 import json
@@ -30,30 +34,51 @@ from tvmflash.bench import _interleaved_median_ms, float32_matmul_precision, mac
 from tvmflash.presets import parse_spec  # noqa: E402
 from tvmflash.spec import AttentionSpec  # noqa: E402
 
+FLEX = "flex:"
 TARGETS = {"cuda": lambda: build.cuda_target("sm_90a"), "avx512": lambda: build.AVX512_TARGET,
            "host": build.host_target}
 
 
-def build_into(folder: Path, spec: AttentionSpec, target: dict, knobs: dict) -> None:
+def flex_case(text: str, seqlen: int, device: str):
+    """flex_bench's case `flex:WORD`: (score_mod, mask_mod), captured tables on `device`."""
+    from flex_bench import cases  # scripts/, this script's folder
+
+    for name, mods in cases(seqlen, device).items():
+        if name.split()[0].lower() == text[len(FLEX):].lower():
+            return mods
+    sys.exit(f"no flex_bench case {text!r} (its cases: {', '.join(cases(seqlen, device))})")
+
+
+def build_into(folder: Path, text: str, target: dict, knobs: dict) -> None:
+    from flex_bench import case_spec
+
+    spec = case_spec(*flex_case(text, 4096, "cpu")) if text.startswith(FLEX) else parse_spec(text)
     folder.mkdir(parents=True, exist_ok=True)
     build.build_module(spec, target, knobs).export_library(str(folder / "mod.so"))
     (folder / "spec.json").write_text(json.dumps(spec.to_dict()))
+    (folder / "call.txt").write_text(text)
     (folder / "target.json").write_text(json.dumps(target))
     print(f"{folder / 'mod.so'}: {spec.name} for {build.target_label(target)}")
 
 
-def load(folder: Path, device: torch.device) -> dict:
+def load(folder: Path, device: torch.device, spec: AttentionSpec) -> dict:
     """The kernels of folder/mod.so by name, as build.load_cached gives them (the CUDA module is
     loaded for this device's arch whatever the folder's target says)."""
     target = json.loads((folder / "target.json").read_text())
     if device.type == "cuda":
         target = build.cuda_target_for_device(device.index or 0)
-    return build.kernels_from_module(build._load(folder / "mod.so", target), spec_of(folder), target)
+    return build.kernels_from_module(build._load(folder / "mod.so", target), spec, target)
 
 
 def spec_of(folder: Path) -> AttentionSpec:
+    """The folder's spec (a flex spec's programs do not read back from spec.json: its call)."""
+    from flex_bench import case_spec
+
     from tvmflash.deploy import spec_from_dict
 
+    call = (folder / "call.txt").read_text() if (folder / "call.txt").exists() else ""
+    if call.startswith(FLEX):
+        return case_spec(*flex_case(call, 4096, "cpu"))
     return spec_from_dict(json.loads((folder / "spec.json").read_text()))
 
 
@@ -61,20 +86,36 @@ def run(folders: list[Path], shape: tuple, kwargs: dict, plain: bool, out: Path 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, spec_of(folders[0]).dtype)
     batch, seqlen, heads, head_dim = shape
+    call_text = (folders[0] / "call.txt").read_text() if (folders[0] / "call.txt").exists() else ""
+    flex_call = call_text.startswith(FLEX)
     g = torch.Generator(device=device).manual_seed(0)
-    q, k, v, dout = (torch.randn(batch, seqlen, heads, head_dim, device=device, dtype=dtype, generator=g)
-                     for _ in range(4))
+    layout = (batch, heads, seqlen, head_dim) if flex_call else (batch, seqlen, heads, head_dim)
+    q, k, v, dout = (torch.randn(layout, device=device, dtype=dtype, generator=g) for _ in range(4))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     if kwargs.get("alibi_slopes") is True:
         kwargs["alibi_slopes"] = torch.rand(heads, device=device, generator=g) * 0.1
     spec = spec_of(folders[0])
-    causal = kwargs.get("causal", False)
-    left, right = kwargs.get("window_size", (-1, -1))
-    called = ops.spec_for(q, None, "bottom_right" if causal else "none", (left, -1 if causal else right),
-                          kwargs.get("softcap", 0.0), kwargs.get("alibi_slopes"), kwargs.get("dropout_p", 0.0))
+    if flex_call:
+        from flex_bench import case_spec
+
+        from tvmflash import flex
+
+        score_mod, mask_mod = flex_case(call_text, seqlen, device.type)
+        called = case_spec(score_mod, mask_mod)
+        block_mask = flex.create_block_mask(mask_mod, 1, 1, seqlen, seqlen, device=device) if mask_mod else None
+        attention = lambda q, k, v, **_: flex.flex_attention(q, k, v, score_mod=score_mod,  # noqa: E731
+                                                              block_mask=block_mask)
+        if plain:
+            sys.exit("--plain times flash_attn_func's plain call: not for flex cases")
+    else:
+        causal = kwargs.get("causal", False)
+        left, right = kwargs.get("window_size", (-1, -1))
+        called = ops.spec_for(q, None, "bottom_right" if causal else "none", (left, -1 if causal else right),
+                              kwargs.get("softcap", 0.0), kwargs.get("alibi_slopes"), kwargs.get("dropout_p", 0.0))
+        attention = tvmflash.flash_attn_func
     if called != spec:
-        sys.exit(f"--kwargs call {called.name}, not the folders' {spec.name}")
-    modules = {f.name: load(f, device) for f in folders}
+        sys.exit(f"the call takes {called.name}, not the folders' {spec.name}")
+    modules = {f.name: load(f, device, spec) for f in folders}
     choice = None if device.type == "cuda" else os.environ.get("TVMFLASH_CPU_TARGET", "auto")
     key = (spec, q.device, choice)  # ops._kernels' cache key (the tensors' device: cuda:0, not cuda)
 
@@ -83,12 +124,12 @@ def run(folders: list[Path], shape: tuple, kwargs: dict, plain: bool, out: Path 
             if use:
                 ops._loaded[key] = modules[use]
             with torch.no_grad():
-                tvmflash.flash_attn_func(q, k, v, **call_kwargs)
+                attention(q, k, v, **call_kwargs)
 
         def fwd_bwd():
             if use:
                 ops._loaded[key] = modules[use]
-            torch.autograd.grad(tvmflash.flash_attn_func(q, k, v, **call_kwargs), (q, k, v), dout)
+            torch.autograd.grad(attention(q, k, v, **call_kwargs), (q, k, v), dout)
         return {f"{name} fwd": fwd, f"{name} fwd+bwd": fwd_bwd}
 
     fns = {}
@@ -102,14 +143,14 @@ def run(folders: list[Path], shape: tuple, kwargs: dict, plain: bool, out: Path 
         if ops._kernels(spec, q.device) is not modules[name]:
             sys.exit("the calls would not take the folders' modules (ops._kernels' key changed?)")
         with torch.no_grad():
-            outputs[name] = tvmflash.flash_attn_func(q, k, v, **kwargs).float()
+            outputs[name] = attention(q, k, v, **kwargs).float()
     first = folders[0].name
     diffs = {n: (o - outputs[first]).abs().max().item() for n, o in outputs.items()}
     for fn in fns.values():  # warm up (first calls load the modules)
         fn()
     iters = 3 if device.type == "cuda" else 1
     ms = _interleaved_median_ms(fns, rounds=7, iters=iters, device=device.type)
-    row = {"spec": spec.name, "shape": shape, "fp32_matmul_precision": torch.get_float32_matmul_precision(),
+    row = {"spec": spec.name, "call": call_text, "shape": shape, "fp32_matmul_precision": torch.get_float32_matmul_precision(),
            "kwargs": {name: value for name, value in kwargs.items() if not torch.is_tensor(value)},
            "ms": ms, "max_diff_vs_first": diffs,
            "speedup": {p: {n: ms[f"{first} {p}"] / ms[f"{n} {p}"] for n in modules} for p in ("fwd", "fwd+bwd")}}
@@ -126,7 +167,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build")
     b.add_argument("folder", type=Path)
-    b.add_argument("spec", help="e.g. bf16:d128:softcap (tvmflash.presets.parse_spec)")
+    b.add_argument("spec", help="e.g. bf16:d128:softcap (tvmflash.presets.parse_spec), or flex:document")
     b.add_argument("--target", choices=sorted(TARGETS), default="cuda")
     b.add_argument("--knobs", default="{}", help="knobs over the tuned ones (JSON), e.g. '{\"wgmma_poly_exp2\": 0}'")
     r = sub.add_parser("run")
@@ -139,7 +180,7 @@ def main() -> None:
                    help="torch.set_float32_matmul_precision for the run (fp32 on AMX: 'high' takes the bf16x3 kernels)")
     args = parser.parse_args()
     if args.command == "build":
-        build_into(args.folder, parse_spec(args.spec), TARGETS[args.target](), json.loads(args.knobs))
+        build_into(args.folder, args.spec, TARGETS[args.target](), json.loads(args.knobs))
     else:
         with float32_matmul_precision(args.fp32_precision):
             run(args.folders, tuple(int(x) for x in args.shape.split(",")), json.loads(args.kwargs), args.plain,
