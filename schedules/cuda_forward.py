@@ -34,10 +34,10 @@ from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.kernels.score_mods import TileAt
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (PAD, SequenceTiles, batch_and_head, copy_rows, cta_position, declare_cta_slots, dropout_rows,
-                       key_terms_size, load_a, load_b, load_b_trans, load_key_terms, load_row_values, locate_tile,
-                       mma_16x16, mma_op, query_rows, rescale_rows, row_values_size, smem_scope, softmax_tile,
-                       store_output, to_a_fragments, unmasked_softmax_tile)
+from .cuda_mma import (PAD, SequenceTiles, batch_and_head, copy_rows, cta_position, declare_scheduling_args,
+                       dropout_rows, key_terms_size, load_a, load_b, load_b_trans, load_key_terms, load_row_values,
+                       locate_tile, mma_16x16, mma_op, query_rows, rescale_rows, row_values_size, smem_scope,
+                       softmax_tile, store_output, to_a_fragments, unmasked_softmax_tile)
 
 DEFAULTS = {"block_m": 128, "block_n": 64, "q_in_registers": 1, "warp_m_tiles": 1, "stages": 2, "cta_order_l2_mb": 8}
 
@@ -84,7 +84,7 @@ def forward_kernel_cuda(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     def fwd():
         T.func_attr({"tirx.noalias": True})
         Q, K, V, O, LSE, scale, score = T.meta_var(declare_forward_args(spec, shape))
-        declare_cta_slots()  # (one CTA a tile here)
+        _slots, _counter = T.meta_var(declare_scheduling_args())  # (unused: one CTA a tile here)
         T.device_entry()
         tiles = T.meta_var(SequenceTiles(score, LQ, LK, BM))  # packed sequences' own query tiles
         ntiles = T.meta_var(T.Cast("int64", tiles.count))

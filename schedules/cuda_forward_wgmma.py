@@ -38,13 +38,16 @@ Knobs (`DEFAULTS`; tuned values in tuning_logs/cuda/ (tvmflash.tuning)):
     wgmma_poly_exp2   eighths of a softcap tile's exponents computed by a polynomial on the
                       FMA pipe (`cuda_mma.poly_exp2_into`), not MUFU.EX2 (which tanh shares)
     wgmma_persistent  1: the warp-specialized loop runs persistent CTAs (at most one an SM, the
-                      `cta_slots` argument), each taking every grid-th item; 0 (default): a CTA
-                      an item. H100, bf16 D=128, 16 heads, against 0 in one process (2026-12-06):
-                      1.13x at 1k queries x 256 keys and 1.11x on a flex sliding window (1024,
-                      16k), but 0.98 / 0.96 / 0.93x dense at 1k / 4k / 16k (the item loop's code
-                      runs 5-8% slower even at one item a CTA: ncu, +4.3% instructions) and
-                      0.83 / 0.66 / 0.63x causal, 0.82x a flex document mask (static striding:
-                      CTAs get unequal work and their K/V window in L2 drifts apart)
+                      `cta_slots` argument), each taking every grid-th item; 2: each draws its
+                      next item from the `item_counter` argument (FlashAttention-3's dynamic
+                      scheduler: items go out in grid order, the longest first under a causal
+                      mask, to whichever CTA is free); 0 (default): a CTA an item. H100, bf16
+                      D=128, 16 heads, 1 against 0 in one process (2026-12-06): 1.13x at 1k
+                      queries x 256 keys and 1.11x on a flex sliding window (1024, 16k), but
+                      0.98 / 0.96 / 0.93x dense at 1k / 4k / 16k (the item loop's code runs 5-8%
+                      slower even at one item a CTA: ncu, +4.3% instructions) and 0.83 / 0.66 /
+                      0.63x causal, 0.82x a flex document mask (static striding: CTAs get
+                      unequal work and their K/V window in L2 drifts apart)
     wgmma_stage_lists 1: a block mask's tile lists are staged in shared memory per CTA (one item
                       a CTA); 0: read in place, the next tile's first key ahead of its wait
                       (H100, flex window / document / causal masks: 0.93-0.99x of staged)
@@ -65,7 +68,7 @@ from tvmflash.kernels.forward import declare_forward_args
 from tvmflash.kernels.score_mods import TileAt
 from tvmflash.spec import AttentionSpec
 
-from .cuda_mma import (SequenceTiles, batch_and_head, cta_position, declare_cta_slots, dropout_rows, key_terms_size,
+from .cuda_mma import (SequenceTiles, batch_and_head, cta_position, declare_scheduling_args, dropout_rows, key_terms_size,
                        load_key_terms, load_row_values, locate_tile, query_rows, rescale_rows, row_values_size,
                        softmax_tile, store_output, to_a_fragments, unmasked_softmax_tile)
 from .cuda_wgmma import (ATOM_BYTES, copy_rows_sw128, encode_desc, fence_registers, gemm_rs_mnmajor,
@@ -86,6 +89,8 @@ SMEM_BYTES = 232448  # a CTA's shared memory on sm_90a
 # and index arithmetic leave the loop; up to this many, as the tile rings leave room for);
 # tiles past those read the lists in place
 LISTED_TILES = 1024
+# drawn items (wgmma_persistent 2): the next items the producer has published ahead (an even count)
+ITEM_RING = 2
 
 
 def supports(spec: AttentionSpec, arch: str, knobs: dict | None = None) -> bool:
@@ -120,13 +125,14 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     if BN % 16 or not 16 <= BN <= 256 or NWG not in (1, 2, 3):
         raise ValueError(f"bad wgmma forward knobs {knobs}")
     if knobs["wgmma_producer"] not in (0, 1) or knobs["wgmma_stages"] not in (2, 3, 4) \
-            or not 0 <= knobs["wgmma_poly_exp2"] <= 8 or knobs["wgmma_persistent"] not in (0, 1) \
+            or not 0 <= knobs["wgmma_poly_exp2"] <= 8 or knobs["wgmma_persistent"] not in (0, 1, 2) \
             or knobs["wgmma_uniform_warpgroup"] not in (0, 1):
         raise ValueError(f"bad wgmma forward knobs {knobs}")
     WS = warp_specialized(knobs)  # else lockstep
     STAGES = knobs["wgmma_stages"] if WS else 2
     PINGPONG = WS and knobs["wgmma_pingpong"] == 1
-    PERSISTENT = WS and knobs["wgmma_persistent"] == 1
+    PERSISTENT = WS and knobs["wgmma_persistent"] >= 1
+    DRAWN = PERSISTENT and knobs["wgmma_persistent"] == 2  # items drawn from item_counter
     UNIFORM_WG = knobs["wgmma_uniform_warpgroup"] == 1
     # a block mask's tile lists staged in shared memory: with one item a CTA (persistent, the
     # producer and the consumers work on different items; the lists are read in place)
@@ -143,12 +149,16 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     K_OFF = BM * D              # element offsets in the pool: Q | STAGES K tiles | STAGES V tiles
     V_OFF = K_OFF + STAGES * BN * D
     POOL = V_OFF + STAGES * BN * D
-    # mbarriers: a slot's K and V in, each read; the Q tile read
+    # mbarriers: a slot's K and V in, each read; the Q tile read; drawn items: an item slot
+    # written, read (a ring of ITEM_RING), then the slots (int32, one word)
     FULL, EMPTY_K, EMPTY_V, EMPTY_Q = (i * STAGES for i in range(4))
+    ITEM_FULL = EMPTY_Q + 1
+    ITEM_EMPTY = ITEM_FULL + ITEM_RING
+    ITEM_SLOTS = 2 * (ITEM_EMPTY + ITEM_RING)  # int32 index of the first slot
     # Static shared memory: the mbarriers, then the staged block-mask tile list, in one buffer
     # of whole KiB (the tiles' pool after it stays 1024-byte aligned, as the 128B swizzle needs:
     # a static part of 2944 bytes put it off and wgmma read garbage)
-    bar_words = 3 * STAGES + PERSISTENT if WS else 0
+    bar_words = (3 * STAGES + PERSISTENT + (2 * ITEM_RING + ITEM_RING // 2) * DRAWN) if WS else 0
     spare = (SMEM_BYTES - 2 * POOL) // 1024 * 1024 - 8 * bar_words  # bytes the tiles leave
     if spare < 4:
         raise ValueError(f"the wgmma forward's tiles do not fit shared memory: {knobs} for {spec.name}")
@@ -169,15 +179,16 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
     def fwd():
         T.func_attr({"tirx.noalias": True})
         Q, K, V, O, LSE, scale, score = T.meta_var(declare_forward_args(spec, shape))
-        cta_slots = T.meta_var(declare_cta_slots())
+        cta_slots, item_counter = T.meta_var(declare_scheduling_args())
         T.device_entry()
         if SHARE_SM:
             T.attr({"tirx.launch_bounds_min_blocks_per_sm": ctas_an_sm})
         tiles = T.meta_var(SequenceTiles(score, LQ, LK, BM))  # packed sequences' own query tiles
         ntiles = T.meta_var(T.Cast("int64", tiles.count))
         total = T.meta_var(ntiles * B * H)  # work items: (query tile, batch x head)
-        # persistent: a CTA an SM at most, each taking every grid-th item (so the first wave's
-        # items are those a grid of one CTA an item would start first)
+        # persistent: a CTA an SM at most, each starting on the item of its index (so the first
+        # wave's items are those a grid of one CTA an item would start first), then taking every
+        # grid-th item or (drawn) the next one the counter gives out
         grid = T.meta_var(T.min(total, T.Cast("int64", cta_slots)) if PERSISTENT else total)
         cta = T.cta_id([T.Cast("int32", grid)])
         tid = T.thread_id([NT])
@@ -223,6 +234,10 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                     T.ptx.mbarrier.init.shared.b64(bars.ptr_to([EMPTY_V + i]), T.uint32(4 * NWG))
                 if PERSISTENT:
                     T.ptx.mbarrier.init.shared.b64(bars.ptr_to([EMPTY_Q]), T.uint32(4 * NWG))
+                if DRAWN:  # an item slot is written by one thread and read by every thread
+                    for i in T.unroll(ITEM_RING):
+                        T.ptx.mbarrier.init.shared.b64(bars.ptr_to([ITEM_FULL + i]), T.uint32(1))
+                        T.ptx.mbarrier.init.shared.b64(bars.ptr_to([ITEM_EMPTY + i]), T.uint32(NT))
             T.cuda.cta_sync()  # the barriers' init (and the listed tiles)
 
         @T.inline
@@ -236,12 +251,11 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                 T.ptx["bar.arrive"](T.uint32(1), T.uint32(NC))
 
         @T.inline
-        def run_item(item_of_cta, role):
-            # one work item, by `role`'s threads (ALL: every thread, the warp-specialized loop's
+        def run_item(item, role):
+            # work item `item`, by `role`'s threads (ALL: every thread, the warp-specialized loop's
             # roles split below; persistent, each role loops over the items by itself: ptxas
             # gives the producer's registers to the consumers only where no code after the
             # hand-over is shared)
-            item = T.meta_var(T.Cast("int64", cta) + item_of_cta * grid if PERSISTENT else cta)
             # K and V: 2 x D 16-bit elements a key
             cta_position(place, item, ntiles, B * H, tirx.truncdiv(H, HK), LK * (4 * D), knobs["cta_order_l2_mb"] << 20)
             item_b, item_h = T.meta_var(batch_and_head(place[1], H))
@@ -501,17 +515,58 @@ def forward_kernel_wgmma(spec: AttentionSpec, knobs: dict) -> tirx.PrimFunc:
                     done[1] = done[1] + T.Cast("int32", n > 0)
 
         if PERSISTENT:
+            current = T.alloc_local([1], "int64")  # the CTA's item
+            current[0] = T.Cast("int64", cta)
+            taken = T.alloc_local([1], "int32")  # items after the first the CTA has taken
+            taken[0] = 0
+            drawn = T.alloc_local([1], "int32")  # the counter's value the CTA drew last
+            item_slots = T.meta_var(meta.view("int32"))
+
+            @T.inline
+            def draw():
+                # the producer's first thread draws the next item at the start of an item and
+                # publishes it at the end (next_item), so the atomic's latency hides under the
+                # item's copies
+                if DRAWN:
+                    if tid == NC:
+                        T.ptx["atom.relaxed.gpu.global.add.s32"](drawn[0], item_counter.ptr_to([0]), T.int32(1))
+
+            @T.inline
+            def next_item(publisher):
+                if DRAWN:
+                    # the counter gives out 0, 1, ...: the CTAs' draws past the first grid items,
+                    # one each that comes back past the last item (total draws in all, so the one
+                    # that drew total - 1 was the launch's last and zeroes the counter for the next)
+                    slot = T.meta_var(taken[0] % ITEM_RING)
+                    if publisher:
+                        if tid == NC:
+                            if taken[0] >= ITEM_RING:  # every thread read what the slot held before
+                                T.cuda.mbarrier_wait(bars.ptr_to([ITEM_EMPTY + slot]),
+                                                     (taken[0] // ITEM_RING - 1) % 2)
+                            if drawn[0] == T.Cast("int32", total) - 1:
+                                item_counter[0] = T.int32(0)
+                            item_slots[ITEM_SLOTS + slot] = T.Cast("int32", grid) + drawn[0]
+                            T.ptx.mbarrier.arrive.shared.b64(bars.ptr_to([ITEM_FULL + slot]), T.uint32(1))
+                    T.cuda.mbarrier_wait(bars.ptr_to([ITEM_FULL + slot]), (taken[0] // ITEM_RING) % 2)
+                    current[0] = T.Cast("int64", item_slots[ITEM_SLOTS + slot])
+                    T.ptx.mbarrier.arrive.shared.b64(bars.ptr_to([ITEM_EMPTY + slot]), T.uint32(1))
+                    taken[0] = taken[0] + 1
+                else:
+                    current[0] = current[0] + grid
+
             init_barriers()
-            items = T.meta_var((total - 1 - T.Cast("int64", cta)) // grid + 1)
             if wg == NWG:
                 producer_registers()
-                for item_of_cta in T.serial(items):
-                    run_item(item_of_cta, PRODUCER)
+                while current[0] < total:
+                    draw()
+                    run_item(current[0], PRODUCER)
+                    next_item(True)
             else:
                 consumer_registers()
-                for item_of_cta in T.serial(items):
-                    run_item(item_of_cta, CONSUMER)
+                while current[0] < total:
+                    run_item(current[0], CONSUMER)
+                    next_item(False)
         else:
-            run_item(0, ALL)
+            run_item(T.Cast("int64", cta), ALL)
 
     return fwd.with_attr("global_symbol", "forward")

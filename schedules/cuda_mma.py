@@ -103,12 +103,15 @@ def grid_position(cta, tiles, pairs, group, kv_bytes, l2_bytes):
     return tirx.Cast("int64", tirx.truncdiv(within, width)), tirx.Cast("int64", first + tirx.truncmod(within, width))
 
 
-def declare_cta_slots() -> tirx.Var:
-    """The CUDA forward kernels' last argument (declare it after the forward's others, while the
-    kernel is parsed): how many CTAs of the kernel the GPU runs at once, its SM count, which
-    tvmflash.ops passes. Persistent kernels launch at most this many; the others take it so that
-    every CUDA forward has one signature."""
-    return KernelArgs().scalar("cta_slots", "int32")
+def declare_scheduling_args() -> tuple:
+    """The CUDA forward kernels' last arguments (declare them after the forward's others, while
+    the kernel is parsed), which tvmflash.ops passes: `cta_slots`, how many CTAs of the kernel
+    the GPU runs at once (its SM count), and `item_counter`, a zeroed int32 from which CTAs
+    draw work items (the last CTA to draw leaves it zero again). Persistent kernels launch at
+    most `cta_slots` CTAs, the dynamic ones draw their items from the counter; the others take
+    both so that every CUDA forward has one signature."""
+    args = KernelArgs()
+    return args.scalar("cta_slots", "int32"), args.tensor("item_counter", [1], "int32")
 
 
 @T.inline

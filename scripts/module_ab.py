@@ -137,13 +137,14 @@ def run(folders: list[Path], shape: tuple, kwargs: dict, plain: bool, out: Path 
         fns.update(calls(name, kwargs, name))
     if plain:
         fns.update(calls("plain", {"causal": kwargs.get("causal", False)}))
-    outputs = {}
+    outputs, again = {}, {}  # again: a second call's difference from the first
     for name in modules:
         ops._loaded[key] = modules[name]
         if ops._kernels(spec, q.device) is not modules[name]:
             sys.exit("the calls would not take the folders' modules (ops._kernels' key changed?)")
         with torch.no_grad():
             outputs[name] = attention(q, k, v, **kwargs).float()
+            again[name] = (attention(q, k, v, **kwargs).float() - outputs[name]).abs().max().item()
     first = folders[0].name
     diffs = {n: (o - outputs[first]).abs().max().item() for n, o in outputs.items()}
     for fn in fns.values():  # warm up (first calls load the modules)
@@ -152,7 +153,7 @@ def run(folders: list[Path], shape: tuple, kwargs: dict, plain: bool, out: Path 
     ms = _interleaved_median_ms(fns, rounds=7, iters=iters, device=device.type)
     row = {"spec": spec.name, "call": call_text, "shape": shape, "fp32_matmul_precision": torch.get_float32_matmul_precision(),
            "kwargs": {name: value for name, value in kwargs.items() if not torch.is_tensor(value)},
-           "ms": ms, "max_diff_vs_first": diffs,
+           "ms": ms, "max_diff_vs_first": diffs, "max_diff_second_call": again,
            "speedup": {p: {n: ms[f"{first} {p}"] / ms[f"{n} {p}"] for n in modules} for p in ("fwd", "fwd+bwd")}}
     if plain:
         row["vs_plain"] = {p: {n: ms[f"plain {p}"] / ms[f"{n} {p}"] for n in modules} for p in ("fwd", "fwd+bwd")}

@@ -118,18 +118,21 @@ def test_cuda_decode_kernel_builds_with_a_deep_ring():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("knobs", [{}, {"wgmma_persistent": 1}, {"wgmma_stages": 2, "wgmma_pingpong": 0},
+@pytest.mark.parametrize("knobs", [{}, {"wgmma_persistent": 1}, {"wgmma_persistent": 0},
+                                   {"wgmma_persistent": 0, "wgmma_uniform_warpgroup": 0},
+                                   {"wgmma_stages": 2, "wgmma_pingpong": 0},
                                    {"wgmma_stages": 4, "wgmma_block_n": 64}, {"wgmma_producer": 0},
-                                   {"block_mask": True, "wgmma_stage_lists": 0},
-                                   {"block_mask": True, "wgmma_stage_lists": 1},
-                                   {"wgmma_persistent": 1, "wgmma_uniform_warpgroup": 1}],
-                         ids=["default", "persistent", "2stages-free", "4stages", "lockstep", "mask-lists-in-place",
-                              "mask-lists-staged", "persistent-uniform-warpgroup"])
+                                   {"block_mask": True},
+                                   {"block_mask": True, "wgmma_persistent": 0, "wgmma_stage_lists": 0},
+                                   {"block_mask": True, "wgmma_persistent": 0, "wgmma_stage_lists": 1}],
+                         ids=["default", "persistent-static", "cta-an-item", "cta-an-item-lane-warpgroup",
+                              "2stages-free", "4stages", "lockstep", "mask", "mask-lists-in-place", "mask-lists-staged"])
 def test_wgmma_forward_loop_forms_build(knobs, tmp_path):
     """The wgmma forward's loops at D=128 build with nvcc: the warp-specialized one (a producer
-    warpgroup, mbarrier rings, named-barrier turns), persistent or a CTA an item, at the
-    records' knobs and at the other ring depths and free issue a retune may pick, the lockstep
-    one, and a block mask's walk with its tile lists read in place or staged. ptxas keeps the
+    warpgroup, mbarrier rings, named-barrier turns), persistent (items drawn from a counter or
+    strided) or a CTA an item, at the records' knobs and at the other ring depths and free issue
+    a retune may pick, the lockstep one, and a block mask's walk with its tile lists read in
+    place or staged. ptxas keeps the
     warp-specialized loop's register hand-over: where code after it was shared by both roles
     (the persistent loop's first form), it ignored setmaxnreg (C7507), spilled, and serialized
     every wgmma (C7512)."""
@@ -357,6 +360,36 @@ def test_cuda_forward_matches_reference(dtype, d, causal, lq, lk):
     fin = ~l64.isinf()
     if fin.any():
         assert (lse.double()[fin] - l64[fin]).abs().max().item() < 1e-3
+
+
+@needs_gpu
+def test_cuda_forward_calls_in_turn_on_two_streams_and_a_graph():
+    """Every CUDA forward takes a counter from which persistent kernels draw their work items
+    and which their last draw zeroes for the next launch (ops._item_counter, one a stream):
+    calls of different sizes in turn on two streams and replays of a captured call each give
+    the output of a call made alone."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    shapes = [(2, 1000, 900), (1, 4096, 4096), (3, 129, 2000)]
+    inputs = [tuple(torch.randn(b, lq if i == 0 else lk, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+                    for i in range(3)) for b, lq, lk in shapes]
+    alone = [tvmflash.flash_attn_func(*x, causal=True) for x in inputs]
+    side = torch.cuda.Stream()
+    for turn in range(3):
+        for i, x in enumerate(inputs):
+            stream = side if (i + turn) % 2 else torch.cuda.current_stream()
+            with torch.cuda.stream(stream):
+                out = tvmflash.flash_attn_func(*x, causal=True)
+            stream.synchronize()
+            assert torch.equal(out, alone[i]), (turn, shapes[i])
+    graph = torch.cuda.CUDAGraph()
+    tvmflash.flash_attn_func(*inputs[1], causal=True)  # (loads outside the capture)
+    with torch.cuda.graph(graph):
+        captured = tvmflash.flash_attn_func(*inputs[1], causal=True)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, alone[1])
+        assert torch.equal(tvmflash.flash_attn_func(*inputs[0], causal=True), alone[0])
 
 
 @needs_gpu

@@ -247,9 +247,28 @@ def _forward(q, k, v, mask, scale, causal, window=(-1, -1), softcap=0.0, alibi_s
 
 def _forward_tail_args(kern: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
     """The forward kernels' arguments after the modifiers': on CUDA the SM count (the CTAs a
-    persistent forward launches, schedules/cuda_mma.declare_cta_slots), on the CPU the AMX
-    forward's packed K and V^T where it has them."""
-    return (_sm_count(q.device),) if q.is_cuda else _amx_packs(kern, k, v)
+    persistent forward launches) and the counter its CTAs draw items from
+    (schedules/cuda_mma.declare_scheduling_args), on the CPU the AMX forward's packed K and V^T
+    where it has them."""
+    return (_sm_count(q.device), _item_counter(q.device)) if q.is_cuda else _amx_packs(kern, k, v)
+
+
+_item_counters: dict = {}
+
+
+def _item_counter(device: torch.device) -> torch.Tensor:
+    """A zeroed int32 for the CUDA forward on torch's current stream of `device`: the kernel's
+    last CTA to draw from it zeroes it again, and kernels on one stream run in order, so one
+    counter a stream is kept (two streams' kernels may run at once). A stream being captured
+    into a CUDA graph gets one of its own (its zeroing then replays with the graph)."""
+    index = device.index if device.index is not None else torch._C._cuda_getDevice()
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    counter = _item_counters.get(key)
+    if counter is None:
+        counter = _item_counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
 
 
 def _takes_bf16x3(kern: dict, q: torch.Tensor) -> bool:
