@@ -80,9 +80,16 @@ def candidates(spec: AttentionSpec, phase: str = "forward", arch: str = "sm_90a"
         polys = [{"wgmma_poly_exp2": k} for k in (0, 1, 2)] if "softcap" in spec.variants else [{}]
         # a block mask's tile lists staged in shared memory or read in place (knob of those specs)
         lists = [{"wgmma_stage_lists": k} for k in (0, 1)] if spec.block_sparse else [{}]
+        # the warp-specialized loop also persistent, its CTAs drawing their items (block-mask
+        # lists are then read in place: one candidate a tile shape)
+        drawn = {"wgmma_persistent": 2, "wgmma_uniform_warpgroup": 1}
         for bn, wg, poly, staging in itertools.product((64, 128), (1, 2), polys, lists):
             if (64 * wg + 4 * bn) * d * 2 <= SHARED_LIMIT:  # Q + two K and two V tiles
-                out.append({"forward_wgmma": 1, "wgmma_block_n": bn, "wgmma_warpgroups": wg, **poly, **staging})
+                knobs = {"forward_wgmma": 1, "wgmma_block_n": bn, "wgmma_warpgroups": wg, **poly}
+                out.append({**knobs, **staging})
+                specialized = cuda_forward_wgmma.warp_specialized({**cuda_forward_wgmma.default_knobs(spec), **knobs})
+                if specialized and staging == lists[0]:
+                    out.append({**knobs, **drawn})
     elif phase == "forward":
         for bm, bn, q_regs, mt, st in itertools.product((64, 128), (32, 64, 128), (1, 0), (1, 2), (2, 3)):
             # two m-tiles per warp double the accumulators: only where registers allow
