@@ -35,18 +35,9 @@ def cases(seqlen: int, device: str):
     }
 
 
-def case_spec(score_mod, mask_mod):
-    """The spec flex_attention calls for one case (its block mask in blocks of 128)."""
-    from tvmflash.ops import register_flex, spec_for
-
-    programs = (("score", flex.trace(score_mod, "score")[0], None),) if score_mod else ()
-    programs += (("mask", flex.trace(mask_mod, "mask")[0], (128, 128)),) if mask_mod else ()
-    return spec_for(torch.empty(1, 1, 1, D, dtype=torch.bfloat16), None, "none", flex=register_flex(programs))
-
-
 def specs() -> set:
     """The specs this benchmark calls (scripts/device_prebuild.py builds them)."""
-    return {case_spec(*mods) for mods in cases(SEQLENS[0], "cpu").values()}
+    return {flex.flex_spec(torch.bfloat16, D, *mods) for mods in cases(SEQLENS[0], "cpu").values()}
 
 
 def main(out_dir: Path) -> None:

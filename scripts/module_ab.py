@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tvmflash  # noqa: E402
-from tvmflash import build, ops  # noqa: E402
+from tvmflash import build, flex, ops  # noqa: E402
 from tvmflash.bench import _interleaved_median_ms, float32_matmul_precision, machine_info  # noqa: E402
 from tvmflash.presets import parse_spec  # noqa: E402
 from tvmflash.spec import AttentionSpec  # noqa: E402
@@ -49,10 +49,17 @@ def flex_case(text: str, seqlen: int, device: str):
     sys.exit(f"no flex_bench case {text!r} (its cases: {', '.join(cases(seqlen, device))})")
 
 
-def build_into(folder: Path, text: str, target: dict, knobs: dict) -> None:
-    from flex_bench import case_spec
+def spec_of_call(text: str) -> AttentionSpec:
+    """The spec a folder's call (SPEC) names."""
+    if text.startswith(FLEX):
+        from flex_bench import D  # its cases' head dim (bf16)
 
-    spec = case_spec(*flex_case(text, 4096, "cpu")) if text.startswith(FLEX) else parse_spec(text)
+        return flex.flex_spec(torch.bfloat16, D, *flex_case(text, 4096, "cpu"))
+    return parse_spec(text)
+
+
+def build_into(folder: Path, text: str, target: dict, knobs: dict) -> None:
+    spec = spec_of_call(text)
     folder.mkdir(parents=True, exist_ok=True)
     build.build_module(spec, target, knobs).export_library(str(folder / "mod.so"))
     (folder / "spec.json").write_text(json.dumps(spec.to_dict()))
@@ -70,23 +77,24 @@ def load(folder: Path, device: torch.device, spec: AttentionSpec) -> dict:
     return build.kernels_from_module(build._load(folder / "mod.so", target), spec, target)
 
 
-def spec_of(folder: Path) -> AttentionSpec:
-    """The folder's spec (a flex spec's programs do not read back from spec.json: its call)."""
-    from flex_bench import case_spec
+def call_of(folder: Path) -> str:
+    """The SPEC the folder was built from ('' for folders older than call.txt)."""
+    return (folder / "call.txt").read_text() if (folder / "call.txt").exists() else ""
 
+
+def spec_of(folder: Path, call: str) -> AttentionSpec:
+    """The folder's spec (a flex spec's programs do not read back from spec.json: its call)."""
     from tvmflash.deploy import spec_from_dict
 
-    call = (folder / "call.txt").read_text() if (folder / "call.txt").exists() else ""
-    if call.startswith(FLEX):
-        return case_spec(*flex_case(call, 4096, "cpu"))
-    return spec_from_dict(json.loads((folder / "spec.json").read_text()))
+    return spec_of_call(call) if call.startswith(FLEX) else spec_from_dict(json.loads((folder / "spec.json").read_text()))
 
 
 def run(folders: list[Path], shape: tuple, kwargs: dict, plain: bool, out: Path | None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, spec_of(folders[0]).dtype)
+    call_text = call_of(folders[0])
+    spec = spec_of(folders[0], call_text)
+    dtype = getattr(torch, spec.dtype)
     batch, seqlen, heads, head_dim = shape
-    call_text = (folders[0] / "call.txt").read_text() if (folders[0] / "call.txt").exists() else ""
     flex_call = call_text.startswith(FLEX)
     g = torch.Generator(device=device).manual_seed(0)
     layout = (batch, heads, seqlen, head_dim) if flex_call else (batch, seqlen, heads, head_dim)
@@ -94,14 +102,9 @@ def run(folders: list[Path], shape: tuple, kwargs: dict, plain: bool, out: Path 
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     if kwargs.get("alibi_slopes") is True:
         kwargs["alibi_slopes"] = torch.rand(heads, device=device, generator=g) * 0.1
-    spec = spec_of(folders[0])
     if flex_call:
-        from flex_bench import case_spec
-
-        from tvmflash import flex
-
         score_mod, mask_mod = flex_case(call_text, seqlen, device.type)
-        called = case_spec(score_mod, mask_mod)
+        called = flex.flex_spec(dtype, head_dim, score_mod, mask_mod)
         block_mask = flex.create_block_mask(mask_mod, 1, 1, seqlen, seqlen, device=device) if mask_mod else None
         attention = lambda q, k, v, **_: flex.flex_attention(q, k, v, score_mod=score_mod,  # noqa: E731
                                                               block_mask=block_mask)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tvmflash
+from tvmflash import flex
 from tvmflash.spec import AttentionSpec
 from tvmflash.reference import attention
 
@@ -143,7 +144,7 @@ def test_wgmma_forward_loop_forms_build(knobs, tmp_path):
     knobs = dict(knobs)
     masked = knobs.pop("block_mask", False)
     causal_mask = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx  # noqa: E731
-    spec = (flex_spec(torch.bfloat16, 128, None, causal_mask, 128) if masked
+    spec = (flex.flex_spec(torch.bfloat16, 128, None, causal_mask) if masked
             else AttentionSpec("bfloat16", 128, causal="bottom_right"))
     kernels = build.cuda_kernels(spec, "sm_90a", knobs)
     script = kernels["forward"].script()
@@ -704,20 +705,9 @@ def _flex_cases():
     ]
 
 
-def flex_spec(dtype, d: int, score_mod, mask_mod, block: int):
-    """The spec flex_attention calls with `score_mod` and a block mask of `mask_mod` in square
-    blocks of `block` (either may be None)."""
-    from tvmflash import flex
-    from tvmflash.ops import register_flex, spec_for
-
-    programs = (("score", flex.trace(score_mod, "score")[0], None),) if score_mod else ()
-    programs += (("mask", flex.trace(mask_mod, "mask")[0], (block, block)),) if mask_mod else ()
-    return spec_for(torch.empty(1, 1, 1, d, dtype=dtype), None, "none", flex=register_flex(programs))
-
-
 def cuda_flex_specs() -> list:
     """The specs of _flex_cases (scripts/device_prebuild.py builds them for the device)."""
-    return [flex_spec(dtype, d, score_mod, mask_mod, block)
+    return [flex.flex_spec(dtype, d, score_mod, mask_mod, (block, block))
             for _, dtype, d, score_mod, mask_mod, block in _flex_cases()]
 
 
@@ -725,8 +715,6 @@ def cuda_flex_specs() -> list:
 @pytest.mark.parametrize("case", range(len(_flex_cases())), ids=lambda i: _flex_cases()[i][0])
 @pytest.mark.parametrize("lq,lk", [(113, 203), (1024, 1024)], ids=str)
 def test_cuda_flex(case, lq, lk):
-    from tvmflash import flex
-
     _, dtype, d, score_mod, mask_mod, block = _flex_cases()[case]
     g = torch.Generator(device="cuda").manual_seed(3)
     q = torch.randn(2, 4, lq, d, device="cuda", dtype=dtype, generator=g)
@@ -750,8 +738,6 @@ def test_cuda_flex(case, lq, lk):
 def test_cuda_flex_skips_empty_tiles():
     """Emptying a q-block of the block mask leaves its rows without keys (out 0, lse -inf, dq 0)
     on the CUDA kernels too: the tiles are skipped, not masked."""
-    from tvmflash import flex
-
     _, dtype, d, _, mask_mod, block = _flex_cases()[3]  # a built spec: the sliding window
     q, k, v = (torch.randn(1, 2, 384, d, device="cuda", dtype=dtype) for _ in range(3))
     bm = flex.create_block_mask(mask_mod, 1, 2, 384, 384, device="cuda", BLOCK_SIZE=block)

@@ -22,9 +22,9 @@ def test_candidates_respect_shared_memory_and_registers():
     assert sorted({c["wgmma_poly_exp2"] for c in softcap}) == [0, 1, 2]
     assert len(softcap) == 3 * len(tune.candidates(AttentionSpec("bfloat16", 128)))
     # a flex block mask's tile lists: staged in shared memory or read in place
-    from test_cuda import flex_spec
+    from tvmflash.flex import flex_spec
 
-    masked = flex_spec(torch.bfloat16, 128, None, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, 128)
+    masked = flex_spec(torch.bfloat16, 128, None, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
     lists = tune.candidates(masked)
     staged = [c for c in lists if "wgmma_stage_lists" in c]
     assert masked.block_sparse and sorted({c["wgmma_stage_lists"] for c in staged}) == [0, 1]

@@ -197,6 +197,28 @@ def trace(fn, role: str):
     return program, tr.tensors
 
 
+def flex_programs(score_mod=None, mask_mod=None, block_size: tuple | None = None):
+    """The programs a flex call's kernels are built from, ((role, Program, block size), ...), and
+    the tensors the mods capture (kernel arguments, in that order); `block_size` is the mask's
+    (q, kv) tiles."""
+    programs, captures = [], []
+    for role, fn, size in (("score", score_mod, None), ("mask", mask_mod, block_size)):
+        if fn is not None:
+            program, tensors = trace(fn, role)
+            programs.append((role, program, size))
+            captures += tensors
+    return tuple(programs), captures
+
+
+def flex_spec(dtype: torch.dtype, head_dim: int, score_mod=None, mask_mod=None, block_size: tuple = (128, 128)):
+    """The AttentionSpec `flex_attention` calls for these mods (the mask's in tiles of
+    `block_size`): what to prebuild, export or tune for a flex model."""
+    from .ops import register_flex, spec_for
+
+    programs, _ = flex_programs(score_mod, mask_mod, tuple(block_size))
+    return spec_for(torch.empty(1, 1, 1, head_dim, dtype=dtype), None, "none", flex=register_flex(programs))
+
+
 # ----------------------------------------------------------------------------- block masks
 @dataclass
 class BlockMask:
@@ -321,12 +343,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask: BlockMask | No
     if key.shape[1] != query.shape[1] and not enable_gqa:
         raise ValueError(f"query has {query.shape[1]} heads but key has {key.shape[1]}; "
                          "pass enable_gqa=True for grouped-query attention")
-    flex = []
-    captures = []
-    if score_mod is not None:
-        program, tensors = trace(score_mod, "score")
-        flex.append(("score", program, None))
-        captures += tensors
+    mask_mod = block_size = None
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must come from tvmflash.flex.create_block_mask, got {type(block_mask).__name__}")
@@ -334,14 +351,15 @@ def flex_attention(query, key, value, score_mod=None, block_mask: BlockMask | No
         if block_mask.seq_lengths != (Lq, Lk) or block_mask.shape[0] not in (1, B) or block_mask.shape[1] not in (1, H):
             raise ValueError(f"block_mask was made for (B, H, Q_LEN, KV_LEN) = {block_mask.shape}, "
                              f"the inputs are {(B, H, Lq, Lk)}")
-        program, tensors = trace(block_mask.mask_mod, "mask")
-        flex.append(("mask", program, block_mask.block_size))
-        captures += [*tensors, *block_mask.kernel_args(B, H)]
+        mask_mod, block_size = block_mask.mask_mod, block_mask.block_size
+    flex, captures = flex_programs(score_mod, mask_mod, block_size)
+    if block_mask is not None:
+        captures += block_mask.kernel_args(B, H)
     for t in captures:
         if t.device != query.device:
             raise ValueError(f"a captured tensor is on {t.device} but query is on {query.device}")
     out, lse = attention(query, key, value, None, _scale(scale, query.shape[-1], "scale"), "none",
-                         torch.are_deterministic_algorithms_enabled(), flex=register_flex(tuple(flex)),
+                         torch.are_deterministic_algorithms_enabled(), flex=register_flex(flex),
                          flex_captures=captures)
     return (out, lse) if return_lse else out
 

@@ -261,8 +261,11 @@ def _item_counter(device: torch.device) -> torch.Tensor:
     last CTA to draw from it zeroes it again, and kernels on one stream run in order, so one
     counter a stream is kept (two streams' kernels may run at once). A stream being captured
     into a CUDA graph gets one of its own (its zeroing then replays with the graph)."""
-    index = device.index if device.index is not None else torch._C._cuda_getDevice()
-    if torch.cuda.is_current_stream_capturing():
+    current = torch._C._cuda_getDevice()
+    index = device.index if device.index is not None else current
+    with contextlib.nullcontext() if index == current else torch.cuda.device(index):
+        capturing = torch.cuda.is_current_stream_capturing()  # (asks of the current device's stream)
+    if capturing:
         return torch.zeros(1, dtype=torch.int32, device=device)
     key = (index, torch._C._cuda_getCurrentRawStream(index))
     counter = _item_counters.get(key)
