@@ -119,6 +119,26 @@ def test_block_mask_kernel_arguments_are_made_once():
     assert args[0][1, 3].tolist() == [[1, 0, 0], [2, 1, 0]]  # the diagonal partial, above it empty
 
 
+def test_block_mask_traces_its_mask_mod_once():
+    """Tracing a mask_mod costs a short call's host time: a BlockMask traces its own once (the
+    same program and captured tensors each call), again only if its mask_mod is replaced."""
+    doc = torch.tensor([0, 0, 1, 1, 1, 2])
+    traced = []
+
+    def same_document(b, h, q, kv):
+        traced.append(q)
+        return doc[q] == doc[kv]
+
+    bm = flex.create_block_mask(same_document, 1, 1, 6, 6, BLOCK_SIZE=16)
+    made = len(traced)
+    first = flex.flex_programs(None, bm)
+    assert flex.flex_programs(None, bm) == first and len(traced) == made + 1
+    assert first[1] == [doc] and first[0][0][2] == (16, 16)
+    assert first == flex.flex_programs(None, same_document, (16, 16))
+    bm.mask_mod = lambda b, h, q, kv: q >= kv
+    assert flex.flex_programs(None, bm)[0][0][1] == flex.trace(bm.mask_mod, "mask")[0] != first[0][0][1]
+
+
 def test_constants_of_other_types_make_other_programs():
     """1, 1.0 and True compare equal in Python, but q // 2 and q // 2.0 compute differently: the
     programs (part of the kernel spec and its in-process cache key) must differ."""

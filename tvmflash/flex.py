@@ -197,16 +197,23 @@ def trace(fn, role: str):
     return program, tr.tensors
 
 
-def flex_programs(score_mod=None, mask_mod=None, block_size: tuple | None = None):
+def flex_programs(score_mod=None, mask=None, block_size: tuple | None = None):
     """The programs a flex call's kernels are built from, ((role, Program, block size), ...), and
-    the tensors the mods capture (kernel arguments, in that order); `block_size` is the mask's
-    (q, kv) tiles."""
+    the tensors the mods capture (kernel arguments, in that order). `mask`: a mask_mod in tiles
+    of `block_size`, or a BlockMask (its own mask_mod and tiles, traced once)."""
     programs, captures = [], []
-    for role, fn, size in (("score", score_mod, None), ("mask", mask_mod, block_size)):
-        if fn is not None:
-            program, tensors = trace(fn, role)
-            programs.append((role, program, size))
-            captures += tensors
+    if score_mod is not None:
+        program, tensors = trace(score_mod, "score")
+        programs.append(("score", program, None))
+        captures += tensors
+    if isinstance(mask, BlockMask):
+        program, tensors = mask.traced_mask()
+        programs.append(("mask", program, mask.block_size))
+        captures += tensors
+    elif mask is not None:
+        program, tensors = trace(mask, "mask")
+        programs.append(("mask", program, tuple(block_size)))
+        captures += tensors
     return tuple(programs), captures
 
 
@@ -215,7 +222,7 @@ def flex_spec(dtype: torch.dtype, head_dim: int, score_mod=None, mask_mod=None, 
     `block_size`): what to prebuild, export or tune for a flex model."""
     from .ops import register_flex, spec_for
 
-    programs, _ = flex_programs(score_mod, mask_mod, tuple(block_size))
+    programs, _ = flex_programs(score_mod, mask_mod, block_size)
     return spec_for(torch.empty(1, 1, 1, head_dim, dtype=dtype), None, "none", flex=register_flex(programs))
 
 
@@ -245,6 +252,7 @@ class BlockMask:
     # attention costs the GPU): the tile map, and its arguments per call shape (B, H)
     tiles: torch.Tensor = field(init=False, repr=False)
     _kernel_args: dict = field(init=False, repr=False, compare=False, default_factory=dict)
+    _traced: tuple = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self):
         self.tiles = self.partial.to(torch.uint8) + 2 * self.full.to(torch.uint8)
@@ -274,6 +282,14 @@ class BlockMask:
             tensors = (self.tiles, self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices)
             args = self._kernel_args[(batch, heads)] = tuple(t.expand(batch, heads, *t.shape[2:]) for t in tensors)
         return args
+
+    def traced_mask(self) -> tuple:
+        """(Program, captured tensors) of the mask_mod, traced on first use and kept: as the
+        tiles were, the mask is fixed when made (tracing a call's mods costs a short call's
+        host time; torch's BlockMask holds its mask_mod the same way)."""
+        if self._traced is None or self._traced[0] is not self.mask_mod:  # (mask_mod reassigned)
+            self._traced = (self.mask_mod, *trace(self.mask_mod, "mask"))
+        return self._traced[1:]
 
     def sparsity(self) -> float:
         """Percentage of tiles skipped (neither partial nor full)."""
@@ -343,7 +359,6 @@ def flex_attention(query, key, value, score_mod=None, block_mask: BlockMask | No
     if key.shape[1] != query.shape[1] and not enable_gqa:
         raise ValueError(f"query has {query.shape[1]} heads but key has {key.shape[1]}; "
                          "pass enable_gqa=True for grouped-query attention")
-    mask_mod = block_size = None
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must come from tvmflash.flex.create_block_mask, got {type(block_mask).__name__}")
@@ -351,8 +366,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask: BlockMask | No
         if block_mask.seq_lengths != (Lq, Lk) or block_mask.shape[0] not in (1, B) or block_mask.shape[1] not in (1, H):
             raise ValueError(f"block_mask was made for (B, H, Q_LEN, KV_LEN) = {block_mask.shape}, "
                              f"the inputs are {(B, H, Lq, Lk)}")
-        mask_mod, block_size = block_mask.mask_mod, block_mask.block_size
-    flex, captures = flex_programs(score_mod, mask_mod, block_size)
+    flex, captures = flex_programs(score_mod, block_mask)
     if block_mask is not None:
         captures += block_mask.kernel_args(B, H)
     for t in captures:
