@@ -201,20 +201,15 @@ def flex_programs(score_mod=None, mask=None, block_size: tuple | None = None):
     """The programs a flex call's kernels are built from, ((role, Program, block size), ...), and
     the tensors the mods capture (kernel arguments, in that order). `mask`: a mask_mod in tiles
     of `block_size`, or a BlockMask (its own mask_mod and tiles, traced once)."""
-    programs, captures = [], []
+    traced = []  # (role, (Program, tensors), block size)
     if score_mod is not None:
-        program, tensors = trace(score_mod, "score")
-        programs.append(("score", program, None))
-        captures += tensors
+        traced.append(("score", trace(score_mod, "score"), None))
     if isinstance(mask, BlockMask):
-        program, tensors = mask.traced_mask()
-        programs.append(("mask", program, mask.block_size))
-        captures += tensors
+        traced.append(("mask", mask.traced_mask(), mask.block_size))
     elif mask is not None:
-        program, tensors = trace(mask, "mask")
-        programs.append(("mask", program, tuple(block_size)))
-        captures += tensors
-    return tuple(programs), captures
+        traced.append(("mask", trace(mask, "mask"), tuple(block_size)))
+    return (tuple((role, program, size) for role, (program, _), size in traced),
+            [t for _, (_, tensors), _ in traced for t in tensors])
 
 
 def flex_spec(dtype: torch.dtype, head_dim: int, score_mod=None, mask_mod=None, block_size: tuple = (128, 128)):
