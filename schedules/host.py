@@ -75,7 +75,7 @@ def kernels(spec, target: dict, knobs: dict, pair_dot=None) -> dict:
     """Name -> PrimFunc of every kernel of `spec`'s module (the generic s_tir kernels; the
     split-KV forward with the target's bf16 pair products, `pair_dot`, where it has them)."""
     from ..kernels.backward import backward_delta_kernel, backward_dkdv_kernel, backward_dq_kernel
-    from ..kernels.decode import forward_combine_kernel, forward_split_kernel
+    from ..kernels.decode import cache_check_kernel, forward_combine_kernel, forward_split_kernel
     from ..kernels.forward import forward_kernel
 
     def split_kernels(prefix: str) -> dict:
@@ -90,7 +90,7 @@ def kernels(spec, target: dict, knobs: dict, pair_dot=None) -> dict:
             ("_combine", forward_combine_kernel(spec)))}
 
     if spec.kv_cache:  # flash_attn_with_kvcache's decode: the split-KV forward on the cache
-        return split_kernels("decode")
+        return {**split_kernels("decode"), "decode_check": cache_check_kernel()}
     bq, bk = knobs["bwd_block_q"], knobs["bwd_block_k"]
     funcs = {
         "forward": forward_kernel(spec, knobs["block_q"], knobs["block_k"]),

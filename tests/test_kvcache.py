@@ -262,6 +262,17 @@ def test_kvcache_validation():
     with pytest.raises(ValueError, match="outside k_cache's 4 pages"):  # a negative page
         tvmflash.flash_attn_with_kvcache(q, torch.zeros(4, 16, HK, D), torch.zeros(4, 16, HK, D),
                                          block_table=torch.tensor([[0], [-1]], dtype=torch.int32))
+    # a decode step's tables are checked in the decode module (block tables with contiguous rows:
+    # its vector part and its tail here), strided ones on the host
+    pages = torch.zeros(4, 16, HK, D)
+    table = torch.zeros(2, 20, dtype=torch.int32)
+    assert tvmflash.flash_attn_with_kvcache(q, pages, pages.clone(), block_table=table).abs().max() == 0
+    for col in (3, 17):
+        bad = table.clone()
+        bad[1, col] = 4
+        for t in (bad, bad.t().contiguous().t()):
+            with pytest.raises(ValueError, match="outside k_cache's 4 pages"):
+                tvmflash.flash_attn_with_kvcache(q, pages, pages.clone(), block_table=t)
     with pytest.raises(ValueError, match=r"batch 1: need 0 <= cache_leftpad \(6\) <= cache_seqlens \(5\)"):
         tvmflash.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=seqlens,
                                          cache_leftpad=torch.tensor([0, 6], dtype=torch.int32))

@@ -49,7 +49,7 @@ CPU_OPTIONAL_KERNELS = ("forward_pack", "forward_pack_vt", "forward_long", "back
 AMX_KERNELS = ("forward_pack", "decode_tiles", "forward_split_tiles", "forward_bf16x3")
 CUDA_KERNELS = ("forward", "backward_prep", "backward_dkdv_dq", "backward_dq_convert", "backward_dkdv",
                 "backward_dq")
-DECODE_KERNELS = ("decode", "decode_combine")  # a kv_cache spec's CPU module
+DECODE_KERNELS = ("decode", "decode_combine", "decode_check")  # a kv_cache spec's CPU module
 CUDA_DECODE_KERNELS = DECODE_PHASES  # one per page-size plan; on CUDA a kernel merges its splits itself
 CUDA_OPTIONAL_KERNELS = ("forward_short",)  # the lockstep forward for short windows (schedules/cuda_kernels.py)
 

@@ -343,8 +343,10 @@ def _forward_split(kern: dict, q, k, v, out, lse, scale, mod_args) -> None:
     B, H, Lq, D = q.shape
     split, kv_heads, splits = _cpu_split_plan(kern, "forward_split", B, H, k.shape[1], Lq, k.shape[2],
                                               kv_head_groups=DENSE_KV_HEAD_GROUPS)
-    o_part = torch.empty((B, H, splits, Lq, D), dtype=torch.float32)
-    lse_part = torch.empty((B, H, splits, Lq), dtype=torch.float32)
+    # the partials live only during the call: kept scratch (fresh tensors after a kernel's
+    # parallel run cost ~30 us of a 0.4 ms call on the dev box: the allocator's state is cold)
+    o_part = _scratch("split_o", (B, H, splits, Lq, D), torch.float32)
+    lse_part = _scratch("split_lse", (B, H, splits, Lq), torch.float32)
     split(q, k, v, o_part, lse_part, out, lse, scale, *mod_args, kv_heads)
     if splits > 1:
         kern["forward_split_combine"](o_part, lse_part, out, lse)
@@ -397,7 +399,8 @@ class DecodePlan:
     device, stream and shape (CPU: per calling thread): calls on one stream run in order, so
     reuse is safe. `combine`: the CPU's merge of several splits (None: CUDA's kernel merges its
     own, and one split writes the outputs itself); `tail`: the kernel's arguments after the
-    modifiers' (on CPUs its kv-heads a task)."""
+    modifiers' (on CPUs its kv-heads a task); `check`: the CPU module's index check
+    (kernels/decode.cache_check_kernel), its result tensor and a numpy view of that."""
 
     spec: AttentionSpec
     kernel: object
@@ -405,6 +408,7 @@ class DecodePlan:
     combine: object
     tail: tuple
     scratch: Optional[tuple] = None
+    check: Optional[tuple] = None
 
 
 def _decode_plan(q: torch.Tensor, heads_k: int, page_size: int, capacity: int, causal: bool, window: tuple,
@@ -426,7 +430,9 @@ def _decode_plan(q: torch.Tensor, heads_k: int, page_size: int, capacity: int, c
         return (*partials, *counters)
     if q.is_cuda:
         return DecodePlan(spec, kern[phase], scratch, None, ())
-    return DecodePlan(spec, split, scratch, kern["decode_combine"] if splits > 1 else None, (kv_heads,))
+    result = torch.empty(2, dtype=torch.int32)
+    return DecodePlan(spec, split, scratch, kern["decode_combine"] if splits > 1 else None, (kv_heads,),
+                      check=(kern["decode_check"], result, result.numpy()))
 
 
 _decode_plans: dict = {}
@@ -435,20 +441,29 @@ _decode_plans: dict = {}
 def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     cache_seqlens: torch.Tensor, cache_leftpad: torch.Tensor, new_keys: int, scale: float,
                     causal: bool, window: tuple, softcap: float, alibi_slopes: Optional[torch.Tensor],
-                    num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    num_splits: int, check_indices: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV decode reading the cache in place (the kv_cache spec's kernels: on CUDA
     schedules/cuda_decode.py, on CPUs kernels/decode.py's split forward): q (B, H, Lq, D) view;
     caches (pages, page_size, Hk, D); block_table (B, max_pages), cache_seqlens and
     cache_leftpad (B,) int32 (views; zero strides broadcast): batch entry b's keys are cache
     positions [cache_leftpad[b], cache_seqlens[b] + new_keys). `num_splits` 0 picks the splits
     from the shape and the device. Returns out (B, Lq, H, D) and lse (B, H, Lq).
+    `check_indices` (CPU, eager, block_table's rows contiguous): first check the tables and
+    lengths in the module's native check (`CacheIndexError` if bad).
 
     Under torch.compile this is the `tvmflash::decode_kv_cache` operator (fake impl: a
     fullgraph decode step, CUDA graphs); in eager mode the same function without the
     operator's dispatch, which would be a sizeable part of a decode step's host time."""
     args = (q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, scale, causal, *window,
             softcap, alibi_slopes, num_splits)
-    return decode_kv_cache_op(*args) if torch.compiler.is_compiling() else _decode_kv_cache(*args, kept_scratch=True)
+    if torch.compiler.is_compiling():
+        return decode_kv_cache_op(*args)
+    return _decode_kv_cache(*args, kept_scratch=True, check_indices=check_indices)
+
+
+class CacheIndexError(ValueError):
+    """decode_kv_cache's native check found a bad block table entry or sequence bounds (the
+    caller's own check says which)."""
 
 
 @torch.library.custom_op("tvmflash::decode_kv_cache", mutates_args=())
@@ -471,7 +486,7 @@ def _(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, 
 
 
 def _decode_kv_cache(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, scale, causal,
-                     window_left, window_right, softcap, alibi_slopes, num_splits, kept_scratch):
+                     window_left, window_right, softcap, alibi_slopes, num_splits, kept_scratch, check_indices=False):
     """decode_kv_cache's work. A decode step costs the GPU tens of microseconds, so the host
     path is kept short: what the shape fixes is looked up once per shape and stream
     (`_decode_plan`), with its scratch where `kept_scratch`, else the scratch is made now."""
@@ -494,6 +509,11 @@ def _decode_kv_cache(q, k_cache, v_cache, block_table, cache_seqlens, cache_left
             _decode_plans.clear()
         plan = _decode_plans[key] = _decode_plan(q, k_cache.shape[2], k_cache.shape[1], capacity, causal, window,
                                                  softcap > 0, alibi_slopes is not None, num_splits)
+    if check_indices:
+        check, result, seen = plan.check
+        check(block_table, cache_seqlens, cache_leftpad, new_keys, capacity, k_cache.shape[0], result)
+        if seen[0] >= 0 or seen[1]:
+            raise CacheIndexError("bad cache indices")
     if not kept_scratch:
         scratch = plan.make_scratch()
     elif plan.scratch is None:
