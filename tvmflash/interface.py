@@ -586,7 +586,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     never waits for the GPU, so it does not read the index tensors to check them: block_table
     entries and lengths are clamped to the cache (reads stay in bounds), and an append or
     rotary position past the cache or the tables fails in torch's indexing. On the CPU every
-    index is checked first (except under torch.compile, where the path is one graph, as on
+    index is checked first (a decode step that writes nothing: in the decode module, one
+    native call; under torch.compile not at all, since there the path is one graph, as on
     CUDA: `fullgraph=True` and CUDA graphs take a decode step whole). Longer q (prefill with a
     cache) gathers each sequence's keys into one packed tensor for the varlen kernels (under
     torch.compile a graph break: the gather reads the lengths)."""
