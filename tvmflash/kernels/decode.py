@@ -623,8 +623,9 @@ def cache_check_kernel() -> tirx.PrimFunc:
     new_keys) do not lie in order within [0, capacity) (-1: none), result[1] 1 where a table
     entry, read as unsigned, is not below num_pages (a negative one too), else 0. The decode
     kernels clamp what they read anyway (`CacheArgs.page`); this tells a caller that its indices
-    were bad. In one native call: the same checks in numpy cost a 1k-key decode step on the dev
-    box ~0.1 ms, each library call paying for the caches that the previous step's kernel emptied."""
+    were bad. In one native call: with the same checks in numpy (each library call paying for
+    the caches that the previous step's kernel emptied), decode steps on the dev box (bf16 B=16
+    H=32 Hk=8 D=128, 2 threads, same process) were 1.12x slower at 16-128 keys, 1.02x at 1k."""
     B, MP = (tirx.Var(n, "int64") for n in ("batch", "max_pages"))
     args = KernelArgs()
 
