@@ -2,9 +2,12 @@
 H=32, Hk=8, D=128, Lq=1, shuffled pages of 16) timed whole, with its kernel replaced by a no-op
 (the host path: validation, plan lookup, output allocation), and its kernel alone, called with
 the plan's arguments (the FFI call and, on a CPU, the thread pool's launch), interleaved in one
-process on the GPU (or, without one, the CPU).
+process on the GPU (or, without one, the CPU). On a CPU also the call with its indices checked
+by numpy on the host (a block table with strided rows takes that path) instead of the decode
+module's `decode_check`. `--iters 1` times each call right after another one's kernel, in the
+caches that emptied (a decode loop's state); the default 50 back-to-back calls keep them warm.
 
-    python scripts/decode_host_probe.py [--lengths 16,1024] [--out F.jsonl]
+    python scripts/decode_host_probe.py [--lengths 16,1024] [--iters 50] [--out F.jsonl]
 """
 import argparse
 import dataclasses
@@ -18,7 +21,7 @@ from tvmflash import ops
 from tvmflash.bench import _interleaved_median_ms, machine_info
 
 
-def main(lengths, out_path) -> None:
+def main(lengths, iters: int, out_path) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     for length in lengths:
@@ -26,6 +29,8 @@ def main(lengths, out_path) -> None:
         k, v, table = paged_cache(length, 16, device)
         ops._decode_plans.clear()
         call = lambda: tvmflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=length, block_table=table)  # noqa: E731
+        strided = torch.empty(B, 2 * table.shape[1], dtype=table.dtype, device=device)[:, ::2]
+        strided.copy_(table)
         call()
         (key, plan), = ops._decode_plans.items()
         kernel, combine, tail, scratch = plan.kernel, plan.combine, plan.tail, plan.scratch
@@ -48,10 +53,13 @@ def main(lengths, out_path) -> None:
             if combine is not None:
                 combine(*scratch[:2], out_bhld, lse)
 
-        ms = _interleaved_median_ms({"call": call, "host path": host_path, "kernel alone": kernel_alone},
-                                    rounds=7, iters=50, device=device)
+        fns = {"call": call, "host path": host_path, "kernel alone": kernel_alone}
+        if device == "cpu":
+            fns["call, numpy index check"] = lambda: tvmflash.flash_attn_with_kvcache(
+                q, k, v, cache_seqlens=length, block_table=strided)
+        ms = _interleaved_median_ms(fns, rounds=7 if iters > 1 else 41, iters=iters, device=device)
         row = {"device": device, "length": length, "us": {n: round(t * 1e3, 1) for n, t in ms.items()},
-               "threads": torch.get_num_threads()}
+               "threads": torch.get_num_threads(), "iters": iters}
         print(json.dumps(row), flush=True)
         if out_path:
             with open(out_path, "a") as f:
@@ -62,6 +70,7 @@ def main(lengths, out_path) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="16,1024")
+    parser.add_argument("--iters", type=int, default=50, help="back-to-back calls a sample (1: cold caches)")
     parser.add_argument("--out")
     args = parser.parse_args()
-    main([int(x) for x in args.lengths.split(",")], args.out)
+    main([int(x) for x in args.lengths.split(",")], args.iters, args.out)
