@@ -152,7 +152,7 @@ def main(out_dir: Path, num_splits: tuple = (), lengths: tuple = (), graphs: boo
             row["best_torch_graphed"] = min(torch_graphed, key=t.get)
             for page in PAGES:
                 row[f"vs_torch_graphed_paged{page}"] = t[row["best_torch_graphed"]] / t[f"ours paged{page} graphed"]
-            print(f"    graphed: " + ", ".join(f"paged{p} {t[f'ours paged{p} graphed'] * 1e3:.1f} us "
+            print("    graphed: " + ", ".join(f"paged{p} {t[f'ours paged{p} graphed'] * 1e3:.1f} us "
                                              f"(x{row[f'vs_torch_graphed_paged{p}']:.2f})" for p in PAGES)
                   + f"; {row['best_torch_graphed']} {t[row['best_torch_graphed']] * 1e3:.1f} us", flush=True)
         rows.append(row)
