@@ -654,7 +654,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     leftpad = zeros if leftpad is None else leftpad
     if rows is None and not paged:
         rows = _arange_int32(B, q.device)
-    table = block_table if paged else rows[:, None] if rows is not None else None
+    table = block_table if paged else rows[:, None]
     # a CPU decode step that writes nothing first checks its indices in the decode module (one
     # native call; numpy's, each in caches the last step's kernel emptied, cost 25-60 us a step)
     native_check = (in_place and not new and rotary_cos is None and not q.is_cuda

@@ -342,22 +342,22 @@ def _forward_split(kern: dict, q, k, v, out, lse, scale, mod_args) -> None:
     """Decode-like calls (few queries) on the CPU: a kv-head's query rows share a task, the keys
     are cut into splits (_cpu_splits) that the threads stream, then the partial results are
     merged (a single split writes out and lse itself). The kernel and the splits depend on the
-    shape (`_cpu_split_plan`): looked up once per module, shape, thread count and calling
-    thread, with the partials' scratch (made fresh, after the previous call's kernel emptied the
-    caches, they cost a few percent: sdpa B=1 H=16 Lq=1 4k keys, dev box, same process, 1.005-1.03x)."""
+    shape (`_cpu_split_plan`): looked up once per module, shape and thread count; the partials
+    are kept scratch (`_scratch`: made fresh, after the previous call's kernel emptied the
+    caches, plan and partials cost a few percent: sdpa B=1 H=16 Lq=1 4k keys, dev box, same
+    process, 1.00-1.03x over two runs)."""
     B, H, Lq, D = q.shape
-    key = (id(kern), q.shape, k.shape[1], k.shape[2], torch.get_num_threads(), threading.get_ident(),
-           DENSE_KV_HEAD_GROUPS)
+    key = (id(kern), q.shape, k.shape[1], k.shape[2], torch.get_num_threads(), DENSE_KV_HEAD_GROUPS)
     plan = _split_plans.get(key)
     if plan is None or plan[0] is not kern:
-        if len(_split_plans) > 32:  # (each holds its partials: B x H x splits rows of fp32)
+        if len(_split_plans) > 32:
             _split_plans.clear()
         split, kv_heads, splits = _cpu_split_plan(kern, "forward_split", B, H, k.shape[1], Lq, k.shape[2],
                                                   kv_head_groups=DENSE_KV_HEAD_GROUPS)
-        partials = (torch.empty((B, H, splits, Lq, D), dtype=torch.float32),
-                    torch.empty((B, H, splits, Lq), dtype=torch.float32))
-        plan = _split_plans[key] = (kern, split, kv_heads, partials, kern["forward_split_combine"] if splits > 1 else None)
-    _, split, kv_heads, (o_part, lse_part), combine = plan
+        plan = _split_plans[key] = (kern, split, kv_heads, splits, kern["forward_split_combine"] if splits > 1 else None)
+    _, split, kv_heads, splits, combine = plan
+    o_part = _scratch("split_o", (B, H, splits, Lq, D), torch.float32)
+    lse_part = _scratch("split_lse", (B, H, splits, Lq), torch.float32)
     split(q, k, v, o_part, lse_part, out, lse, scale, *mod_args, kv_heads)
     if combine is not None:
         combine(o_part, lse_part, out, lse)
