@@ -58,10 +58,10 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmflash.kernels.common import F32, NEG_INF, Shape
-from tvmflash.kernels.decode import PAGE_ALIGN, declare_decode_args
+from tvmflash.kernels.decode import PAGE_ALIGN, append_name, declare_append_args, declare_decode_args
 from tvmflash.kernels.score_mods import ScoreIndex
 from tvmflash.spec import DECODE_ROWS as ROWS
-from tvmflash.spec import AttentionSpec
+from tvmflash.spec import ROTARY_INTERLEAVED, ROTARY_NONE, AttentionSpec
 from tvmflash.tuning import DECODE_PHASES
 
 from .cuda_mma import (CP_ASYNC, LN2, PAD, SHARED_LIMIT, SwizzledRows, copy_tile, load_a, load_b, load_b_trans,
@@ -367,3 +367,64 @@ def decode_kernel_cuda(spec: AttentionSpec, knobs: dict, phase: str = "decode") 
                     COUNTERS[slot] = T.int32(0)  # ready for the next launch
 
     return decode.with_attr("global_symbol", phase)
+
+
+APPEND_THREADS = 128
+
+
+def append_kernel_cuda(spec: AttentionSpec, table_dtype: str) -> tirx.PrimFunc:
+    """A decode step's writes on CUDA, `decode_append` / `decode_append_f32`: the arguments and
+    results of kernels/decode.py's CPU kernel (`declare_append_args`) without its checks, which
+    would make the host wait for the GPU: a CTA per new token (its kv-heads' K rotated, and V,
+    written at its cache position) and, with rotary, per query (q rotated into q_rotated).
+    Positions past the cache (or before it) are not written, page numbers are clamped into the
+    cache and rotary rows into the tables, as the decode kernel clamps its reads; `result` is
+    not written. One launch: in torch ops the same step took about twenty."""
+    D, dt = spec.head_dim, spec.dtype
+
+    @T.prim_func
+    def append():
+        T.func_attr({"tirx.noalias": True})
+        (TABLE, SEQLENS, LEFTPAD, offset, capacity, num_pages, RESULT, K, V, K_CACHE, V_CACHE, Q, Q_ROTATED, COS, SIN,
+         rotary, q_steps) = T.meta_var(declare_append_args(spec, table_dtype))
+        B, MP = T.meta_var(TABLE.shape)
+        N, HK, PAGE, LQ, H, LRO, HALF = T.meta_var((*K.shape[1:3], K_CACHE.shape[1], *Q.shape[1:3], *COS.shape))
+        T.device_entry()
+        row = T.cta_id([T.Cast("int32", B * (N + LQ))])
+        tid = T.thread_id([APPEND_THREADS])
+        r = T.meta_var(T.Cast("int64", row))
+        keys = T.meta_var(r < B * N)  # a new token's row, else a query's
+        b = T.meta_var(T.Select(keys, r // T.max(N, 1), (r - B * N) // T.max(LQ, 1)))
+        i = T.meta_var(T.Select(keys, r % T.max(N, 1), (r - B * N) % T.max(LQ, 1)))
+        base = T.meta_var(T.Cast("int64", SEQLENS[b]) + offset)
+        pos = T.meta_var(base + T.Select(keys or q_steps != 0, i, T.int64(0)))
+        heads = T.meta_var(T.Select(keys, HK, H))
+        at = T.meta_var(T.min(T.max(pos, T.int64(0)), LRO - 1))  # the rotary row (clamped)
+        if (keys and pos >= 0 and pos < capacity) or (not keys and rotary != ROTARY_NONE):
+            page = T.meta_var(T.Cast("int64", T.min(T.max(TABLE[b, T.min(pos // PAGE, MP - 1)], 0),
+                                                    T.Cast("int32", num_pages) - 1)))
+            for j in T.serial((heads * D + APPEND_THREADS - 1) // APPEND_THREADS):
+                e = T.meta_var(j * APPEND_THREADS + tid)
+                h, d = T.meta_var((e // D, e % D))
+                pairs = T.meta_var(rotary == ROTARY_INTERLEAVED)
+                p = T.meta_var(T.min(T.Select(pairs, d // 2, d % HALF), HALF - 1))
+                first = T.meta_var(T.Select(pairs, 2 * p, p))
+                second = T.meta_var(T.Select(pairs, 2 * p + 1, T.min(p + HALF, T.int64(D - 1))))
+                c = T.meta_var(T.Cast(F32, COS[at, p]))
+                sn = T.meta_var(T.Cast(F32, SIN[at, p]))
+                upper = T.meta_var(T.Select(pairs, d % 2 == 1, d >= HALF))
+                if e < heads * D:
+                    if keys:
+                        a = T.meta_var(T.Cast(F32, K[b, i, h, first]))
+                        z = T.meta_var(T.Cast(F32, K[b, i, h, second]))
+                        V_CACHE[page, pos % PAGE, h, d] = V[b, i, h, d]
+                        K_CACHE[page, pos % PAGE, h, d] = T.Select(
+                            rotary == ROTARY_NONE or d >= 2 * HALF, K[b, i, h, d],
+                            T.Cast(dt, T.Select(upper, a * sn + z * c, a * c - z * sn)))
+                    else:
+                        a = T.meta_var(T.Cast(F32, Q[b, i, h, first]))
+                        z = T.meta_var(T.Cast(F32, Q[b, i, h, second]))
+                        Q_ROTATED[b, i, h, d] = T.Select(
+                            d >= 2 * HALF, Q[b, i, h, d], T.Cast(dt, T.Select(upper, a * sn + z * c, a * c - z * sn)))
+
+    return append.with_attr("global_symbol", append_name(spec, table_dtype))

@@ -20,7 +20,9 @@ def default_knobs(spec: AttentionSpec) -> dict:
 def kernels(spec: AttentionSpec, arch: str, knobs: dict) -> dict:
     """The module's kernels by function name, for CUDA arch `arch` and the full knob set."""
     if spec.kv_cache:
-        return {phase: cuda_decode.decode_kernel_cuda(spec, knobs, phase) for phase in DECODE_PHASES}
+        appends = (cuda_decode.append_kernel_cuda(spec, spec.dtype), cuda_decode.append_kernel_cuda(spec, "float32"))
+        return {**{phase: cuda_decode.decode_kernel_cuda(spec, knobs, phase) for phase in DECODE_PHASES},
+                **{f.attrs["global_symbol"]: f for f in appends}}
     out = {**cuda_backward.backward_kernels_cuda(spec, knobs, arch), **forward_kernels(spec, arch, knobs)}
     if knobs["bwd_wgmma"] and cuda_backward_wgmma.supports(spec, arch):
         for name, with_dq in (("backward_dkdv_dq", True), ("backward_dkdv", False)):

@@ -89,8 +89,9 @@ def kernels(spec, target: dict, knobs: dict, pair_dot=None) -> dict:
                                           SPLIT_MAX_KV_HEADS)),
             ("_combine", forward_combine_kernel(spec)))}
 
-    if spec.kv_cache:  # flash_attn_with_kvcache's decode: the split-KV forward on the cache
-        return {**split_kernels("decode"), "decode_check": cache_check_kernel()}
+    if spec.kv_cache:  # flash_attn_with_kvcache's decode: the split-KV forward on the cache, its checks and writes
+        steps = (cache_check_kernel(), cache_check_kernel(spec, spec.dtype), cache_check_kernel(spec))
+        return {**split_kernels("decode"), **{f.attrs["global_symbol"]: f for f in steps}}
     bq, bk = knobs["bwd_block_q"], knobs["bwd_block_k"]
     funcs = {
         "forward": forward_kernel(spec, knobs["block_q"], knobs["block_k"]),

@@ -4,8 +4,11 @@ H=32, Hk=8, D=128, Lq=1, shuffled pages of 16) timed whole, with its kernel repl
 the plan's arguments (the FFI call and, on a CPU, the thread pool's launch), interleaved in one
 process on the GPU (or, without one, the CPU). On a CPU also the call with its indices checked
 by numpy on the host (a block table with strided rows takes that path) instead of the decode
-module's `decode_check`. `--iters 1` times each call right after another one's kernel, in the
-caches that emptied (a decode loop's state); the default 50 back-to-back calls keep them warm.
+module's `decode_check`. Then steps that write: one new token a sequence appended (and,
+q and the token rotated by bf16 tables) in the decode module's `decode_append`, and the
+same through torch ops (a block table with strided rows takes that path). `--iters 1` times
+each call right after another one's kernel, in the caches that emptied (a decode loop's
+state); the default 50 back-to-back calls keep them warm.
 
     python scripts/decode_host_probe.py [--lengths 16,1024] [--iters 50] [--out F.jsonl]
 """
@@ -16,7 +19,7 @@ import json
 import torch
 
 import tvmflash
-from decode_bench import B, D, DTYPE, H, paged_cache
+from decode_bench import B, D, DTYPE, H, HK, paged_cache
 from tvmflash import ops
 from tvmflash.bench import _interleaved_median_ms, machine_info
 
@@ -57,6 +60,15 @@ def main(lengths, iters: int, out_path) -> None:
         if device == "cpu":
             fns["call, numpy index check"] = lambda: tvmflash.flash_attn_with_kvcache(
                 q, k, v, cache_seqlens=length, block_table=strided)
+        # steps that append at the last position (the same keys as `call`), natively or in torch ops
+        lengths = torch.full((B,), length - 1, dtype=torch.int32, device=device)
+        new_k, new_v = (torch.randn(B, 1, HK, D, device=device, dtype=DTYPE) for _ in range(2))
+        cos, sin = (torch.rand(length + 16, D // 2, device=device).to(DTYPE) for _ in range(2))
+        for how, pages in (("", table), (", torch ops", strided)):
+            fns[f"call + append{how}"] = lambda pages=pages: tvmflash.flash_attn_with_kvcache(  # noqa: E731
+                q, k, v, new_k, new_v, cache_seqlens=lengths, block_table=pages)
+            fns[f"call + append + rotary{how}"] = lambda pages=pages: tvmflash.flash_attn_with_kvcache(  # noqa: E731
+                q, k, v, new_k, new_v, cos, sin, cache_seqlens=lengths, block_table=pages)
         ms = _interleaved_median_ms(fns, rounds=7 if iters > 1 else 41, iters=iters, device=device)
         row = {"device": device, "length": length, "us": {n: round(t * 1e3, 1) for n, t in ms.items()},
                "threads": torch.get_num_threads(), "iters": iters}

@@ -839,11 +839,13 @@ def test_cuda_kvcache_in_place(dtype, d, heads, softcap, alibi, layout, causal, 
 @pytest.mark.parametrize("layout", ["contiguous", "paged16", "paged256"])
 @pytest.mark.parametrize("num_splits", [0, 1, 7])
 def test_cuda_kvcache_long(layout, num_splits):
-    """Thousands of keys: many tiles per split, splits that see no key (short sequences)."""
+    """Thousands of keys: many tiles per split, splits that see no key (short sequences); the
+    rotary tables in q's dtype (the append kernel `decode_append`; float32 ones take
+    `decode_append_f32`, as in test_cuda_kvcache_in_place)."""
     from test_kvcache import check_kvcache
 
     check_kvcache(layout, True, (-1, -1), "interleaved", 2, 1, "cuda", torch.bfloat16, (8, 2), 128,
-                  capacity=2100, lengths=(700, 0, 2000), num_splits=num_splits)
+                  capacity=2100, lengths=(700, 0, 2000), num_splits=num_splits, table_dtype=torch.bfloat16)
 
 
 @needs_gpu

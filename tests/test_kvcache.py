@@ -52,10 +52,11 @@ def test_kvcache(layout, causal, window, rotary, lq, new):
 
 def check_kvcache(layout, causal, window, rotary, lq, new, device="cpu", dtype=torch.float32, heads=(H, HK), d=D,
                   softcap=0.0, alibi=False, capacity=96, lengths=(10, 0, 57), num_splits=0,
-                  call=tvmflash.flash_attn_with_kvcache):
+                  call=tvmflash.flash_attn_with_kvcache, table_dtype=torch.float32, strided_new=False):
     """One flash_attn_with_kvcache call (or `call`, e.g. a compiled one) on 3 sequences
     (`lengths` before the append; an empty one gets a token when nothing is appended) against
-    the float64 reference per sequence, and the caches after the append.
+    the float64 reference per sequence, and the caches after the append. Rotary tables in
+    `table_dtype`; `strided_new`: the new k and v every other kv-head of a wider tensor.
     Tolerance: flash-attn's rule (twice the error of the same computation in `dtype`) plus
     a floor."""
     h, hk = heads
@@ -80,12 +81,12 @@ def check_kvcache(layout, causal, window, rotary, lq, new, device="cpu", dtype=t
         block_table = perm.view(B, per_seq).to(torch.int32).to(device)
         cache_batch_idx = None
     v_cache = rand(*k_cache.shape)
-    k_new = rand(B, new, hk, d) if new else None
-    v_new = rand(B, new, hk, d) if new else None
+    k_new, v_new = (rand(B, new, 2 * hk, d)[:, :, ::2] if strided_new else rand(B, new, hk, d) if new else None
+                    for _ in range(2))
     cos = sin = None
     if rotary:
         angles = torch.rand(capacity + 8, d // 4, generator=g) * 6.28
-        cos, sin = angles.cos().to(device), angles.sin().to(device)
+        cos, sin = (t.to(table_dtype).to(device) for t in (angles.cos(), angles.sin()))
     slopes = (torch.rand(B, h, generator=g) * 0.3).to(device) if alibi else None
     before_k, before_v = k_cache.clone(), v_cache.clone()
 
@@ -226,6 +227,21 @@ def test_kvcache_bf16_decode_without_pair_products(monkeypatch):
     assert ops._loaded and all(kernels is build.load_cached(spec, icelake) for (spec, _, _), kernels in ops._loaded.items())
 
 
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kvcache_bf16_step_appends_and_rotates_natively(table_dtype, monkeypatch):
+    """A bf16 CPU decode step that appends and rotates does both in the decode module's
+    `decode_append` (rotary tables in float32 or q's dtype as given, others converted), never in
+    torch ops: causal queries at consecutive positions, interleaved pairs and halves, paged and
+    contiguous caches, strided new tokens, rotary without new tokens."""
+    from tvmflash import interface
+
+    monkeypatch.setattr(interface, "_rotate", lambda *args: pytest.fail("rotated by torch ops"))
+    for layout, causal, rotary, lq, new in (("paged16", True, "interleaved", 2, 2), ("contiguous", True, "halves", 3, 3),
+                                            ("paged48", False, "halves", 1, 0)):
+        check_kvcache(layout, causal, (-1, -1), rotary, lq, new, dtype=torch.bfloat16, heads=(8, 2), d=128,
+                      table_dtype=table_dtype, strided_new=new > 0)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "paged16"])
 def test_kvcache_prefill_gathers(layout):
     """More than 16 queries (a prompt against a cache) run on the varlen kernels."""
@@ -292,6 +308,19 @@ def test_kvcache_validation():
                                              rotary_cos=torch.ones(5, 4), rotary_sin=torch.zeros(5, 4))
     with pytest.raises(ValueError, match="num_splits"):
         tvmflash.flash_attn_with_kvcache(q, cache, cache.clone(), num_splits=-1)
+    # a step that fails its checks writes nothing, whichever check fails: the end past the
+    # cache, the rotary table, a table entry the append does not use
+    filled, tokens = torch.randn(4, 16, HK, D), torch.ones(2, 1, HK, D)
+    before = filled.clone()
+    for kwargs, message in ((dict(cache_seqlens=32), "<= the cache's 32 rows"),
+                            (dict(cache_seqlens=seqlens, rotary_cos=torch.ones(5, 4), rotary_sin=torch.zeros(5, 4)),
+                             "rotary_cos has 5 positions"),
+                            (dict(cache_seqlens=seqlens, block_table=torch.tensor([[0, 1], [2, 4]], dtype=torch.int32)),
+                             "outside k_cache's 4 pages")):
+        caches = (filled, filled.clone()) if "block_table" in kwargs else (filled.view(2, 32, HK, D),) * 2
+        with pytest.raises(ValueError, match=message):
+            tvmflash.flash_attn_with_kvcache(q, *caches, tokens, tokens, **kwargs)
+        assert torch.equal(filled, before)
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))

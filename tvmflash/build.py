@@ -39,18 +39,19 @@ CPU_KERNELS = ("forward", "backward_delta", "backward_dkdv", "backward_dq",
                "backward_fused")
 # AMX operand packing; the split-KV decode forward (not for dropout: training only), its
 # one-query-row variants (schedules/host.py) and its AMX variants for more rows a kv-head
-# (schedules/amx_decode.py)
+# (schedules/amx_decode.py); a 16-bit kv_cache module's append for float32 rotary tables
 CPU_OPTIONAL_KERNELS = ("forward_pack", "forward_pack_vt", "forward_long", "backward_pack", "forward_split",
                         "forward_split_row", "forward_split_tiles", "forward_split_combine", "decode_row",
-                        "decode_tiles", "forward_bf16x3", "forward_bf16x3_long", "forward_pack_bf16x3",
+                        "decode_tiles", "decode_append_f32", "forward_bf16x3", "forward_bf16x3_long", "forward_pack_bf16x3",
                         "backward_bf16x3_fused", "backward_bf16x3_dkdv", "backward_bf16x3_dq", "backward_pack_bf16x3")
 # in every module that runs on AMX tiles (`forward_pack` also in those whose bf16 kernels take
 # avx512_bf16's pair products instead: see uses_amx)
 AMX_KERNELS = ("forward_pack", "decode_tiles", "forward_split_tiles", "forward_bf16x3")
 CUDA_KERNELS = ("forward", "backward_prep", "backward_dkdv_dq", "backward_dq_convert", "backward_dkdv",
                 "backward_dq")
-DECODE_KERNELS = ("decode", "decode_combine", "decode_check")  # a kv_cache spec's CPU module
-CUDA_DECODE_KERNELS = DECODE_PHASES  # one per page-size plan; on CUDA a kernel merges its splits itself
+DECODE_KERNELS = ("decode", "decode_combine", "decode_check", "decode_append")  # a kv_cache spec's CPU module
+# one per page-size plan (on CUDA a kernel merges its splits itself), and a step's append
+CUDA_DECODE_KERNELS = (*DECODE_PHASES, "decode_append", "decode_append_f32")
 CUDA_OPTIONAL_KERNELS = ("forward_short",)  # the lockstep forward for short windows (schedules/cuda_kernels.py)
 
 _modules: dict = {}

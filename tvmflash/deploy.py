@@ -26,8 +26,9 @@ MANIFEST = "manifest.json"
 # The kernels' calling convention by target kind, recorded in the manifest: raised when a kernel's
 # arguments change, so that modules exported before are refused by name, not by an argument
 # count error at their first call (CUDA 1: every forward takes the SM count, `cta_slots`; 2: and
-# the `item_counter` its CTAs draw items from)
-KERNEL_ABI = {"cuda": 2, "llvm": 0}
+# the `item_counter` its CTAs draw items from; 3: kv_cache modules hold `decode_append`; CPU 1:
+# kv_cache modules hold `decode_check` and `decode_append`)
+KERNEL_ABI = {"cuda": 3, "llvm": 1}
 _exported: dict = {}  # (spec, target kind, target label) -> library path
 _env_loaded: set = set()
 

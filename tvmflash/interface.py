@@ -584,11 +584,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     split-KV kernel reads the cache in place, pages included, and merges its splits by lse;
     `num_splits` sets their number (0: chosen from the shape and the device). On CUDA that path
     never waits for the GPU, so it does not read the index tensors to check them: block_table
-    entries and lengths are clamped to the cache (reads stay in bounds), and an append or
-    rotary position past the cache or the tables fails in torch's indexing. On the CPU every
-    index is checked first (a decode step that writes nothing: in the decode module, one
-    native call; under torch.compile not at all, since there the path is one graph, as on
-    CUDA: `fullgraph=True` and CUDA graphs take a decode step whole). Longer q (prefill with a
+    entries and lengths are clamped to the cache (reads stay in bounds), new tokens at
+    positions past the cache are not written and rotary positions past the tables take their
+    last row (under torch.compile, where the step is torch ops, both fail in torch's indexing). On the CPU every
+    index is checked before anything is written (a decode step in the decode module: one
+    native call checks, appends and rotates; under torch.compile not at all, since there the
+    path is one graph, as on CUDA: `fullgraph=True` and CUDA graphs take a decode step whole). Longer q (prefill with a
     cache) gathers each sequence's keys into one packed tensor for the varlen kernels (under
     torch.compile a graph break: the gather reads the lengths)."""
     _check_tensor("q", q, 4, " (batch, seqlen_q, nheads, head_dim)")
@@ -655,15 +656,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if rows is None and not paged:
         rows = _arange_int32(B, q.device)
     table = block_table if paged else rows[:, None]
-    # a CPU decode step that writes nothing first checks its indices in the decode module (one
-    # native call; numpy's, each in caches the last step's kernel emptied, cost 25-60 us a step)
-    native_check = (in_place and not new and rotary_cos is None and not q.is_cuda
-                    and not torch.compiler.is_compiling() and table.stride(1) == 1)
+    # a CPU decode step checks its indices in the decode module, and writes its new tokens and
+    # rotates there too: one native call (numpy's checks, each in caches the last step's kernel
+    # emptied, cost 25-60 us a step; the append and rotary as torch ops 0.08-0.5 ms on 2 cores);
+    # on CUDA eager steps append and rotate in one launch too (in torch ops, about twenty)
+    eager = in_place and q.numel() > 0 and not torch.compiler.is_compiling() and table.stride(1) == 1
+    native_check = eager and not q.is_cuda
+    step = ops.CacheStep(k, v, rotary_cos, rotary_sin, rotary_interleaved, q_steps) \
+        if eager and (new or rotary_cos is not None) else None
     check = functools.partial(_check_cache_indices, k_cache, block_table, rows, B, None if seqlens is zeros else seqlens,
                               length, None if leftpad is zeros else leftpad, new, capacity, rotary_cos, Lq, q_steps)
     if not (native_check or in_place and (q.is_cuda or torch.compiler.is_compiling())):
         check()  # (on the CPU reading them costs little, beside a decode step)
-    if rotary_cos is not None or new:
+    if (rotary_cos is not None or new) and step is None:
         with torch.no_grad():
             positions = seqlens.long()[:, None] + length  # where the new tokens go
             if rotary_cos is not None:
@@ -683,7 +688,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if in_place:
         try:
             out, lse = ops.decode_kv_cache(q.transpose(1, 2), k_cache, v_cache, table, seqlens, leftpad, length + new,
-                                           scale, causal, window, softcap, alibi_slopes, num_splits, native_check)
+                                           scale, causal, window, softcap, alibi_slopes, num_splits, native_check, step)
         except ops.CacheIndexError:
             check()  # raises, saying which index
             raise

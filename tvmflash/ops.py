@@ -411,7 +411,8 @@ class DecodePlan:
     reuse is safe. `combine`: the CPU's merge of several splits (None: CUDA's kernel merges its
     own, and one split writes the outputs itself); `tail`: the kernel's arguments after the
     modifiers' (on CPUs its kv-heads a task); `check`: the CPU module's index check
-    (kernels/decode.cache_check_kernel), its result tensor and a numpy view of that."""
+    (kernels/decode.cache_check_kernel), its result tensor and a numpy view of that; `append`:
+    the same for the CPU module's check-and-write kernels, by the rotary tables' dtype."""
 
     spec: AttentionSpec
     kernel: object
@@ -420,6 +421,22 @@ class DecodePlan:
     tail: tuple
     scratch: Optional[tuple] = None
     check: Optional[tuple] = None
+    append: Optional[tuple] = None
+
+
+@dataclasses.dataclass
+class CacheStep:
+    """What a CPU decode step writes before it attends (flash_attn_with_kvcache's k, v and
+    rotary): the new tokens `k`, `v` (B, N, Hk, D) or None, the rotary tables `cos`, `sin`
+    (Lro, rotary_dim / 2) or None, `interleaved` pairs (else halves), `q_steps` (the queries at
+    consecutive positions, else all at the first new one)."""
+
+    k: Optional[torch.Tensor]
+    v: Optional[torch.Tensor]
+    cos: Optional[torch.Tensor]
+    sin: Optional[torch.Tensor]
+    interleaved: bool
+    q_steps: bool
 
 
 def _decode_plan(q: torch.Tensor, heads_k: int, page_size: int, capacity: int, causal: bool, window: tuple,
@@ -439,11 +456,13 @@ def _decode_plan(q: torch.Tensor, heads_k: int, page_size: int, capacity: int, c
                     torch.empty((B, H, splits, Lq), dtype=torch.float32, device=q.device))
         counters = (torch.zeros(row_blocks, dtype=torch.int32, device=q.device),) if q.is_cuda else ()
         return (*partials, *counters)
-    if q.is_cuda:
-        return DecodePlan(spec, kern[phase], scratch, None, ())
-    result = torch.empty(2, dtype=torch.int32)
+    appends = {q.dtype: kern["decode_append"], torch.float32: kern.get("decode_append_f32", kern["decode_append"])}
+    if q.is_cuda:  # (its append kernel does not check; the plan holds no CUDA tensor: plans made
+        # in torch.compile's CUDA graph warm-up would keep allocations of the graphs' pool alive)
+        return DecodePlan(spec, kern[phase], scratch, None, (), append=(appends, None, None))
+    result, written = torch.empty(2, dtype=torch.int32), torch.empty(3, dtype=torch.int32)
     return DecodePlan(spec, split, scratch, kern["decode_combine"] if splits > 1 else None, (kv_heads,),
-                      check=(kern["decode_check"], result, result.numpy()))
+                      check=(kern["decode_check"], result, result.numpy()), append=(appends, written, written.numpy()))
 
 
 _decode_plans: dict = {}
@@ -452,15 +471,19 @@ _decode_plans: dict = {}
 def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     cache_seqlens: torch.Tensor, cache_leftpad: torch.Tensor, new_keys: int, scale: float,
                     causal: bool, window: tuple, softcap: float, alibi_slopes: Optional[torch.Tensor],
-                    num_splits: int, check_indices: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    num_splits: int, check_indices: bool = False, step: Optional[CacheStep] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV decode reading the cache in place (the kv_cache spec's kernels: on CUDA
     schedules/cuda_decode.py, on CPUs kernels/decode.py's split forward): q (B, H, Lq, D) view;
     caches (pages, page_size, Hk, D); block_table (B, max_pages), cache_seqlens and
     cache_leftpad (B,) int32 (views; zero strides broadcast): batch entry b's keys are cache
     positions [cache_leftpad[b], cache_seqlens[b] + new_keys). `num_splits` 0 picks the splits
     from the shape and the device. Returns out (B, Lq, H, D) and lse (B, H, Lq).
-    `check_indices` (CPU, eager, block_table's rows contiguous): first check the tables and
-    lengths in the module's native check (`CacheIndexError` if bad).
+    `check_indices` (CPU, eager, block_table's rows contiguous, q not empty): first check the
+    tables and lengths in the module's native check (`CacheIndexError` if bad). A `step` (eager,
+    the same tables, q not empty): the module's `decode_append` first writes the step's new
+    tokens into the cache (`new_keys` counts them) and rotates them and q (`_append_step`; on
+    the CPU after the same checks).
 
     Under torch.compile this is the `tvmflash::decode_kv_cache` operator (fake impl: a
     fullgraph decode step, CUDA graphs); in eager mode the same function without the
@@ -469,7 +492,7 @@ def decode_kv_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             softcap, alibi_slopes, num_splits)
     if torch.compiler.is_compiling():
         return decode_kv_cache_op(*args)
-    return _decode_kv_cache(*args, kept_scratch=True, check_indices=check_indices)
+    return _decode_kv_cache(*args, kept_scratch=True, check_indices=check_indices, step=step)
 
 
 class CacheIndexError(ValueError):
@@ -497,7 +520,8 @@ def _(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, 
 
 
 def _decode_kv_cache(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, scale, causal,
-                     window_left, window_right, softcap, alibi_slopes, num_splits, kept_scratch, check_indices=False):
+                     window_left, window_right, softcap, alibi_slopes, num_splits, kept_scratch, check_indices=False,
+                     step=None):
     """decode_kv_cache's work. A decode step costs the GPU tens of microseconds, so the host
     path is kept short: what the shape fixes is looked up once per shape and stream
     (`_decode_plan`), with its scratch where `kept_scratch`, else the scratch is made now."""
@@ -520,7 +544,9 @@ def _decode_kv_cache(q, k_cache, v_cache, block_table, cache_seqlens, cache_left
             _decode_plans.clear()
         plan = _decode_plans[key] = _decode_plan(q, k_cache.shape[2], k_cache.shape[1], capacity, causal, window,
                                                  softcap > 0, alibi_slopes is not None, num_splits)
-    if check_indices:
+    if step is not None:
+        q = _append_step(plan, step, q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad, new_keys, capacity)
+    elif check_indices:
         check, result, seen = plan.check
         check(block_table, cache_seqlens, cache_leftpad, new_keys, capacity, k_cache.shape[0], result)
         if seen[0] >= 0 or seen[1]:
@@ -541,6 +567,56 @@ def _decode_kv_cache(q, k_cache, v_cache, block_table, cache_seqlens, cache_left
         if combine is not None:
             combine(*scratch[:2], out_bhld, lse)
     return out, lse
+
+
+def _append_step(plan: DecodePlan, step: CacheStep, q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad,
+                 new_keys: int, capacity: int) -> torch.Tensor:
+    """A decode step's writes in one native call (kernels/decode.py's `decode_append` on CPUs:
+    the checks, then the writes; schedules/cuda_decode.py's on CUDA): the new tokens into the
+    cache, rotated where the step has rotary tables; returns q (B, H, Lq, D) as the step attends
+    with it (rotated: a new tensor)."""
+    from .spec import ROTARY_HALVES, ROTARY_INTERLEAVED, ROTARY_NONE
+
+    appends, result, seen = plan.append
+    B, H, Lq, D = q.shape
+    queries = q.transpose(1, 2)  # (B, Lq, H, D), as the caller gave it
+    k, v = (step.k, step.v) if step.k is not None else (_no_tokens(B, k_cache.shape[2], D, q.dtype, q.device),) * 2
+    if step.cos is None:
+        rotary, rotated = ROTARY_NONE, queries
+        cos = sin = _no_rotary_table(q.device)
+    else:
+        rotary = ROTARY_INTERLEAVED if step.interleaved else ROTARY_HALVES
+        rotated = torch.empty_like(queries, memory_format=torch.contiguous_format)
+        cos, sin = step.cos, step.sin
+        if cos.dtype not in appends or sin.dtype != cos.dtype:
+            cos, sin = cos.float(), sin.float()
+        cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
+    if result is None:
+        result = _unread_result(q.device)
+    with _on_stream(q.device):
+        appends[cos.dtype](block_table, cache_seqlens, cache_leftpad, new_keys - k.shape[1], capacity, k_cache.shape[0],
+                           result, k, v, k_cache, v_cache, queries, rotated, cos, sin, rotary, int(step.q_steps))
+    if seen is not None and (seen[0] >= 0 or seen[1] or seen[2]):
+        raise CacheIndexError("bad cache indices")
+    return rotated.transpose(1, 2)
+
+
+@functools.lru_cache(maxsize=16)
+def _no_tokens(batch: int, heads_k: int, head_dim: int, dtype, device) -> torch.Tensor:
+    """An empty (batch, 0, heads_k, head_dim) tensor: the new tokens of a step with none."""
+    return torch.empty((batch, 0, heads_k, head_dim), dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=4)
+def _unread_result(device) -> torch.Tensor:
+    """The CUDA append kernel's `result` argument, which it never writes."""
+    return torch.empty(3, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=4)
+def _no_rotary_table(device) -> torch.Tensor:
+    """A (1, 1) float32 table: the rotary tables of a step without rotary (never read)."""
+    return torch.zeros((1, 1), dtype=torch.float32, device=device)
 
 
 def _split_kernel(kern: dict, name: str, rows_per_kv_head: int) -> tuple:

@@ -26,6 +26,9 @@ VALUE_VARIANTS = ("softcap", "alibi")
 # a kv_cache spec's decode kernel takes a kv-head's query rows (its heads x queries) in blocks
 # of this many (one tensor-core m16 tile; schedules/cuda_decode.py)
 DECODE_ROWS = 16
+# how a CPU decode step's append kernel rotates (kernels/decode.py's decode_append `rotary`):
+# not, pairs (2i, 2i + 1) (GPT-J, flash-attn's rotary_interleaved) or halves (GPT-NeoX)
+ROTARY_NONE, ROTARY_INTERLEAVED, ROTARY_HALVES = 0, 1, 2
 BLOCK_MASK_ARGS = ("mask_block_map", "mask_kv_num", "mask_kv_indices", "mask_full_kv_num", "mask_full_kv_indices")
 
 

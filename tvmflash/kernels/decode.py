@@ -47,7 +47,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 from tvm.script.ir_builder import tirx as irb
 
-from ..spec import AttentionSpec
+from ..spec import ROTARY_HALVES, ROTARY_INTERLEAVED, ROTARY_NONE, AttentionSpec
 from .common import F32, NEG_INF, KernelArgs, Shape, fast_exp
 from .forward import declare_forward_args
 from .score_mods import ScoreIndex, ScorePipeline
@@ -616,34 +616,111 @@ def forward_combine_kernel(spec: AttentionSpec) -> tirx.PrimFunc:
     return combine.with_attr("global_symbol", "forward_combine")
 
 
-def cache_check_kernel() -> tirx.PrimFunc:
-    """The CPU decode's index check, `decode_check` (block_table (B, max_pages) int32, rows
-    contiguous; cache_seqlens, cache_leftpad (B,) int32; new_keys, capacity, num_pages int64;
-    result (2,) int32): result[0] the first batch entry b whose keys [leftpad[b], seqlens[b] +
-    new_keys) do not lie in order within [0, capacity) (-1: none), result[1] 1 where a table
-    entry, read as unsigned, is not below num_pages (a negative one too), else 0. The decode
-    kernels clamp what they read anyway (`CacheArgs.page`); this tells a caller that its indices
-    were bad. In one native call: with the same checks in numpy (each library call paying for
-    the caches that the previous step's kernel emptied), decode steps on the dev box (bf16 B=16
-    H=32 Hk=8 D=128, 2 threads, same process) were 1.12x slower at 16-128 keys, 1.02x at 1k."""
-    B, MP = (tirx.Var(n, "int64") for n in ("batch", "max_pages"))
+def declare_append_args(spec: AttentionSpec, table_dtype: str) -> tuple:
+    """A decode step's append arguments, in call order (`cache_check_kernel`'s decode_append;
+    schedules/cuda_decode.py's append kernel takes the same): block_table (B, max_pages) int32,
+    cache_seqlens, cache_leftpad (B,) int32; offset, capacity, num_pages int64; result (3,)
+    int32; k, v (B, N, Hk, D); k_cache, v_cache (pages, page_size, Hk, D); q, q_rotated (B, Lq,
+    H, D); rotary_cos, rotary_sin (Lro, rotary_dim / 2) in `table_dtype`; rotary, q_steps int32."""
+    B, MP, N, LQ, H, HK, PAGES, PAGE, LRO, HALF = (tirx.Var(n, "int64") for n in (
+        "batch", "max_pages", "seqlen_new", "seqlen_q", "heads", "heads_k", "pages", "page_size", "seqlen_ro",
+        "rotary_half"))
+    D, dt = spec.head_dim, spec.dtype
     args = KernelArgs()
+    table = args.tensor("block_table", (B, MP), "int32")
+    seqlens = args.tensor("cache_seqlens", (B,), "int32", unit_last_stride=False)
+    leftpad = args.tensor("cache_leftpad", (B,), "int32", unit_last_stride=False)
+    scalars = tuple(args.scalar(n, "int64") for n in ("offset", "capacity", "num_pages"))
+    result = args.tensor("result", (3,), "int32")
+    return (table, seqlens, leftpad, *scalars, result,
+            *(args.tensor(n, (B, N, HK, D), dt) for n in ("k", "v")),
+            *(args.tensor(n, (PAGES, PAGE, HK, D), dt) for n in ("k_cache", "v_cache")),
+            *(args.tensor(n, (B, LQ, H, D), dt) for n in ("q", "q_rotated")),
+            *(args.tensor(n, (LRO, HALF), table_dtype) for n in ("rotary_cos", "rotary_sin")),
+            args.scalar("rotary", "int32"), args.scalar("q_steps", "int32"))
+
+
+def append_name(spec: AttentionSpec, table_dtype: str) -> str:
+    """The append kernel's function name: `decode_append`, `decode_append_f32` for float32
+    rotary tables with a 16-bit spec."""
+    return "decode_append_f32" if table_dtype == F32 != spec.dtype else "decode_append"
+
+
+@T.inline
+def rotate_rows(DST, d0, d1, SRC, s0, s1, heads, pos, COS, SIN, rotary, HALF, D):
+    """DST[d0, d1, h, :] = SRC[s0, s1, h, :] rotated at position `pos` (`rotary`: interleaved
+    pairs or halves of the first 2 HALF dims, in fp32; the rest copied), h < heads."""
+    for h in T.serial(heads):
+        if rotary == ROTARY_INTERLEAVED:
+            for p in T.serial(HALF):
+                a = T.meta_var(T.Cast(F32, SRC[s0, s1, h, 2 * p]))
+                b = T.meta_var(T.Cast(F32, SRC[s0, s1, h, 2 * p + 1]))
+                DST[d0, d1, h, 2 * p] = T.Cast(DST.dtype, a * T.Cast(F32, COS[pos, p]) - b * T.Cast(F32, SIN[pos, p]))
+                DST[d0, d1, h, 2 * p + 1] = T.Cast(DST.dtype, a * T.Cast(F32, SIN[pos, p]) + b * T.Cast(F32, COS[pos, p]))
+        elif rotary == ROTARY_HALVES:
+            for p in T.serial(HALF):
+                a = T.meta_var(T.Cast(F32, SRC[s0, s1, h, p]))
+                b = T.meta_var(T.Cast(F32, SRC[s0, s1, h, p + HALF]))
+                DST[d0, d1, h, p] = T.Cast(DST.dtype, a * T.Cast(F32, COS[pos, p]) - b * T.Cast(F32, SIN[pos, p]))
+                DST[d0, d1, h, p + HALF] = T.Cast(DST.dtype, a * T.Cast(F32, SIN[pos, p]) + b * T.Cast(F32, COS[pos, p]))
+        for e in T.serial(T.Select(rotary == ROTARY_NONE, T.int64(0), 2 * HALF), T.int64(D)):
+            DST[d0, d1, h, e] = SRC[s0, s1, h, e]
+
+
+def cache_check_kernel(spec: AttentionSpec | None = None, table_dtype: str = F32) -> tirx.PrimFunc:
+    """The CPU decode step's index check, and with `spec` its writes too.
+
+    `decode_check` (block_table (B, max_pages) int32, rows contiguous; cache_seqlens,
+    cache_leftpad (B,) int32; new_keys, capacity, num_pages int64; result (2,) int32):
+    result[0] the first batch entry b whose keys [leftpad[b], seqlens[b] + new_keys) do not lie
+    in order within [0, capacity) (-1: none), result[1] 1 where a table entry, read as
+    unsigned, is not below num_pages (a negative one too), else 0. The decode kernels clamp
+    what they read anyway (`CacheArgs.page`); this tells a caller that its indices were bad.
+    In one native call: with the same checks in numpy (each library call paying for the caches
+    that the previous step's kernel emptied), decode steps on the dev box (bf16 B=16 H=32 Hk=8
+    D=128, 2 threads, same process) were 1.12x slower at 16-128 keys, 1.02x at 1k.
+
+    With `spec`, `decode_append` (`decode_append_f32` for float32 rotary tables, `table_dtype`):
+    a step that writes. Arguments: the same tables, then offset (int64: the scalar length added
+    to every cache_seqlens), k, v (B, N, Hk, D) the new tokens, k_cache, v_cache (pages,
+    page_size, Hk, D), q and q_rotated (B, Lq, H, D), rotary_cos, rotary_sin (Lro, rotary_dim /
+    2), rotary (spec.ROTARY_*), q_steps (int32: the queries sit at consecutive positions), result
+    (3,). Batch entry b's new tokens go to cache positions base_b + i, base_b = seqlens[b] +
+    offset (page table[b, pos // page_size], row pos % page_size), rotated there where
+    `rotary`; q_rotated gets q rotated at base_b (+ i where q_steps). The checks come first
+    (keys [leftpad[b], base_b + N) within [0, capacity), leftpad[b] <= base_b; result[2] 1 where
+    a rotated position reaches past the tables' Lro rows) and nothing is written unless all
+    pass. Rotation as interface._rotate's: in fp32, pairs (2p, 2p + 1) or halves (p, p + half),
+    dims past 2 * half copied. One native call: the same in torch ops (a gather of the tables'
+    rows, a dozen small elementwise ops, an indexed store) took most of a short decode step."""
+    appends = spec is not None
+    D = spec.head_dim if appends else 0
 
     def declare():
+        if appends:
+            return declare_append_args(spec, table_dtype)
+        B, MP = (tirx.Var(n, "int64") for n in ("batch", "max_pages"))
+        args = KernelArgs()
         table = args.tensor("block_table", (B, MP), "int32")
         seqlens = args.tensor("cache_seqlens", (B,), "int32", unit_last_stride=False)
         leftpad = args.tensor("cache_leftpad", (B,), "int32", unit_last_stride=False)
-        new_keys, capacity, num_pages = (args.scalar(n, "int64") for n in ("new_keys", "capacity", "num_pages"))
-        return table, seqlens, leftpad, new_keys, capacity, num_pages, args.tensor("result", (2,), "int32")
+        scalars = (args.scalar(n, "int64") for n in ("new_keys", "capacity", "num_pages"))
+        return table, seqlens, leftpad, *scalars, args.tensor("result", (2,), "int32"), *[None] * 10
 
     @T.prim_func(s_tir=True)
     def check():
         T.func_attr({"tirx.noalias": True})
-        TABLE, SEQLENS, LEFTPAD, new_keys, capacity, num_pages, RESULT = T.meta_var(declare())
+        (TABLE, SEQLENS, LEFTPAD, offset, capacity, num_pages, RESULT,
+         K, V, K_CACHE, V_CACHE, Q, Q_ROTATED, COS, SIN, rotary, q_steps) = T.meta_var(declare())
+        B, MP = T.meta_var(TABLE.shape)
+        if appends:
+            N, HK, PAGE, LQ, H, LRO, HALF = T.meta_var((*K.shape[1:3], K_CACHE.shape[1], *Q.shape[1:3], *COS.shape))
         with T.sblock("root"):  # (its only block: the schedule rules start from it)
             top = T.sblock_alloc_buffer((LANES,), "uint32")  # lanes of the largest entry
+            reach = T.sblock_alloc_buffer((1,), "int64")  # the furthest rotated position + 1
             for i in T.vectorized(LANES):
                 top[i] = T.uint32(0)
+            reach[0] = T.int64(0)
             RESULT[0] = -1
             for rb in T.serial(B):
                 b = T.meta_var(B - 1 - rb)  # backwards: the first bad entry is written last
@@ -653,11 +730,29 @@ def cache_check_kernel() -> tirx.PrimFunc:
                 for p in T.serial(MP // LANES * LANES, MP):
                     top[0] = T.max(top[0], T.Cast("uint32", TABLE[b, p]))
                 start = T.meta_var(T.Cast("int64", LEFTPAD[b]))
-                end = T.meta_var(T.Cast("int64", SEQLENS[b]) + new_keys)
-                if start < T.int64(0) or start > end or end > capacity:
+                base = T.meta_var(T.Cast("int64", SEQLENS[b]) + offset)
+                end = T.meta_var(base + N if appends else base)
+                if start < T.int64(0) or start > base or end > capacity:
                     RESULT[0] = T.Cast("int32", b)
+                if appends:
+                    reach[0] = T.max(reach[0], T.max(end, base + T.Select(q_steps != 0, LQ, T.int64(1))))
             for i in T.serial(1, LANES):
                 top[0] = T.max(top[0], top[i])
             RESULT[1] = T.Select(T.Cast("uint64", top[0]) >= T.Cast("uint64", num_pages), 1, 0)
+            if appends:
+                RESULT[2] = T.Select(rotary != ROTARY_NONE and reach[0] > LRO, 1, 0)
+                if RESULT[0] == -1 and RESULT[1] == 0 and RESULT[2] == 0:
+                    for t in T.parallel(B * N):
+                        pos = T.meta_var(T.Cast("int64", SEQLENS[t // N]) + offset + t % N)
+                        page = T.meta_var(T.Cast("int64", TABLE[t // N, pos // PAGE]))
+                        for h, d in T.grid(HK, T.int64(D)):
+                            V_CACHE[page, pos % PAGE, h, d] = V[t // N, t % N, h, d]
+                        rotate_rows(K_CACHE, page, pos % PAGE, K, t // N, t % N, HK, pos, COS, SIN, rotary, HALF, D)
+                    if rotary != ROTARY_NONE:
+                        for t in T.parallel(B * LQ):
+                            pos = T.meta_var(T.Cast("int64", SEQLENS[t // LQ]) + offset
+                                             + T.Select(q_steps != 0, t % LQ, T.int64(0)))
+                            rotate_rows(Q_ROTATED, t // LQ, t % LQ, Q, t // LQ, t % LQ, H, pos, COS, SIN, rotary, HALF,
+                                        D)
 
-    return check.with_attr("global_symbol", "decode_check")
+    return check.with_attr("global_symbol", append_name(spec, table_dtype) if appends else "decode_check")
