@@ -377,9 +377,10 @@ def append_kernel_cuda(spec: AttentionSpec, table_dtype: str) -> tirx.PrimFunc:
     results of kernels/decode.py's CPU kernel (`declare_append_args`) without its checks, which
     would make the host wait for the GPU: a CTA per new token (its kv-heads' K rotated, and V,
     written at its cache position) and, with rotary, per query (q rotated into q_rotated).
-    Positions past the cache (or before it) are not written, page numbers are clamped into the
-    cache and rotary rows into the tables, as the decode kernel clamps its reads; `result` is
-    not written. One launch: in torch ops the same step took about twenty."""
+    Tokens whose position lies outside the cache or whose page (block_table entry, or
+    cache_batch_idx row) outside its pages are not written; rotary rows are clamped into the
+    tables (as the decode kernel clamps its reads); `result` is not written. One launch: in
+    torch ops the same step took about twenty."""
     D, dt = spec.head_dim, spec.dtype
 
     @T.prim_func
@@ -400,9 +401,9 @@ def append_kernel_cuda(spec: AttentionSpec, table_dtype: str) -> tirx.PrimFunc:
         pos = T.meta_var(base + T.Select(keys or q_steps != 0, i, T.int64(0)))
         heads = T.meta_var(T.Select(keys, HK, H))
         at = T.meta_var(T.min(T.max(pos, T.int64(0)), LRO - 1))  # the rotary row (clamped)
-        if (keys and pos >= 0 and pos < capacity) or (not keys and rotary != ROTARY_NONE):
-            page = T.meta_var(T.Cast("int64", T.min(T.max(TABLE[b, T.min(pos // PAGE, MP - 1)], 0),
-                                                    T.Cast("int32", num_pages) - 1)))
+        page = T.meta_var(T.Cast("int64", TABLE[b, T.min(T.max(pos, T.int64(0)) // PAGE, MP - 1)]))
+        if (keys and pos >= 0 and pos < capacity and page >= 0 and page < num_pages) or (
+                not keys and rotary != ROTARY_NONE):
             for j in T.serial((heads * D + APPEND_THREADS - 1) // APPEND_THREADS):
                 e = T.meta_var(j * APPEND_THREADS + tid)
                 h, d = T.meta_var((e // D, e % D))

@@ -836,6 +836,23 @@ def test_cuda_kvcache_in_place(dtype, d, heads, softcap, alibi, layout, causal, 
 
 
 @needs_gpu
+def test_cuda_kvcache_append_skips_tokens_outside_the_cache():
+    """CUDA steps do not check their indices (that would wait for the GPU): a new token at a
+    position past the cache, or on a page outside it, is not written, nor is anything else."""
+    dt = torch.bfloat16
+    k_cache, v_cache = (torch.randn(8, 16, 2, 128, device="cuda", dtype=dt) for _ in range(2))
+    before = k_cache.clone(), v_cache.clone()
+    table = torch.tensor([[0, 1], [2, 8]], device="cuda", dtype=torch.int32)  # batch 1's second page: none
+    lengths = torch.tensor([32, 20], device="cuda", dtype=torch.int32)  # batch 0 full, batch 1 on its second page
+    q = torch.randn(2, 1, 4, 128, device="cuda", dtype=dt)
+    new = torch.randn(2, 1, 2, 128, device="cuda", dtype=dt)
+    cos, sin = torch.ones(40, 64, device="cuda", dtype=dt), torch.zeros(40, 64, device="cuda", dtype=dt)
+    tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cos, sin, cache_seqlens=lengths, block_table=table)
+    torch.cuda.synchronize()
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+@needs_gpu
 @pytest.mark.parametrize("layout", ["contiguous", "paged16", "paged256"])
 @pytest.mark.parametrize("num_splits", [0, 1, 7])
 def test_cuda_kvcache_long(layout, num_splits):

@@ -584,14 +584,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     split-KV kernel reads the cache in place, pages included, and merges its splits by lse;
     `num_splits` sets their number (0: chosen from the shape and the device). On CUDA that path
     never waits for the GPU, so it does not read the index tensors to check them: block_table
-    entries and lengths are clamped to the cache (reads stay in bounds), new tokens at
-    positions past the cache are not written and rotary positions past the tables take their
-    last row (under torch.compile, where the step is torch ops, both fail in torch's indexing). On the CPU every
-    index is checked before anything is written (a decode step in the decode module: one
-    native call checks, appends and rotates; under torch.compile not at all, since there the
-    path is one graph, as on CUDA: `fullgraph=True` and CUDA graphs take a decode step whole). Longer q (prefill with a
-    cache) gathers each sequence's keys into one packed tensor for the varlen kernels (under
-    torch.compile a graph break: the gather reads the lengths)."""
+    entries and lengths are clamped to the cache (reads stay in bounds), new tokens at positions
+    past the cache or on pages outside it are not written, rotary positions past the tables take
+    their last row (under torch.compile, where the step is torch ops, both fail in torch's
+    indexing). On the CPU every index is checked before anything is written (a decode step in
+    the decode module: one native call checks, appends and rotates; under torch.compile not at
+    all, since there the path is one graph, as on CUDA: `fullgraph=True` and CUDA graphs take a
+    decode step whole). Longer q (prefill with a cache) gathers each sequence's keys into one
+    packed tensor for the varlen kernels (under torch.compile a graph break: the gather reads
+    the lengths)."""
     _check_tensor("q", q, 4, " (batch, seqlen_q, nheads, head_dim)")
     B, Lq, H, D = q.shape
     paged = block_table is not None
