@@ -2,8 +2,12 @@
 cache_batch_idx and left padding, paged caches (16- and 48-token pages) with shuffled block
 tables, appends at different positions per batch, rotary interleaved and not, GQA, causal with
 Lq > 1, windows; the caches' contents after the append; validation."""
+from unittest import mock
+
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import tvmflash
 from tvmflash.cpu import cpu_flags
@@ -334,3 +338,57 @@ def test_kvcache_decode_without_rows(device, batch, lq):
     out, lse = tvmflash.flash_attn_with_kvcache(q, k_cache[:batch], v_cache[:batch], cache_seqlens=20,
                                                 return_softmax_lse=True)
     assert out.shape == (batch, lq, 8, 64) and lse.shape == (batch, 8, lq)
+
+
+@st.composite
+def decode_steps(draw):
+    """A decode step that writes: layout, batch, heads, queries, new tokens, rotary, lengths."""
+    page = draw(st.sampled_from([0, 16, 32]))  # 0: a contiguous cache with shuffled rows
+    b, hk, group = draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    lq, new = draw(st.integers(1, 4)), draw(st.integers(0, 4))
+    rotary = draw(st.sampled_from([None, "interleaved", "halves"] if new else ["interleaved", "halves"]))
+    capacity = 64
+    lengths = draw(st.lists(st.integers(0, capacity - new), min_size=b, max_size=b))
+    pads = [draw(st.integers(0, n)) for n in lengths] if not page else None
+    return dict(page=page, b=b, hk=hk, h=hk * group, lq=lq, new=new, rotary=rotary, rotary_half=draw(st.sampled_from(
+        [4, 8, 16])), causal=draw(st.booleans()), lengths=lengths, pads=pads, seed=draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(decode_steps())
+def test_native_step_writes_what_torch_ops_write(p):
+    """A CPU decode step's writes in the decode module (`decode_append`) against the same step
+    in torch ops (the path traced under torch.compile, taken here by making the call believe it
+    is compiling): the same caches and outputs over random layouts, lengths, left padding,
+    appends and rotary."""
+    g = torch.Generator().manual_seed(p["seed"])
+    b, capacity = p["b"], 64
+    q = torch.randn(b, p["lq"], p["h"], D, generator=g)
+    if p["page"]:
+        pages = b * capacity // p["page"] + 1
+        cache = torch.randn(pages, p["page"], p["hk"], D, generator=g)
+        table = torch.randperm(pages, generator=g)[:b * capacity // p["page"]].view(b, -1).to(torch.int32)
+        where = dict(block_table=table)
+    else:
+        cache = torch.randn(b + 1, capacity, p["hk"], D, generator=g)
+        where = dict(cache_batch_idx=torch.randperm(b + 1, generator=g)[:b].to(torch.int32),
+                     cache_leftpad=torch.tensor(p["pads"], dtype=torch.int32))
+    k_new, v_new = ((torch.randn(b, p["new"], p["hk"], D, generator=g) for _ in range(2)) if p["new"] else (None, None))
+    cos = sin = None
+    if p["rotary"]:
+        angles = torch.rand(capacity + 8, p["rotary_half"], generator=g) * 6.28
+        cos, sin = angles.cos(), angles.sin()
+    results = []
+    for traced in (False, True):
+        k_cache, v_cache = cache.clone(), cache.clone() + 1
+        with mock.patch.object(torch.compiler, "is_compiling", lambda: traced):
+            out, lse = tvmflash.flash_attn_with_kvcache(
+                q, k_cache, v_cache, k_new, v_new, cos, sin, cache_seqlens=torch.tensor(p["lengths"], dtype=torch.int32),
+                causal=p["causal"], rotary_interleaved=p["rotary"] == "interleaved", return_softmax_lse=True, **where)
+        results.append((k_cache, v_cache, out, lse))
+    (k_a, v_a, out_a, lse_a), (k_b, v_b, out_b, lse_b) = results
+    assert torch.equal(v_a, v_b)
+    torch.testing.assert_close(k_a, k_b, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out_a, out_b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse_a, lse_b, atol=1e-5, rtol=1e-5)
