@@ -606,10 +606,10 @@ def test_kvcache_decode(layout, lq, heads, d):
 @pytest.mark.parametrize("variant", ["causal_window", "softcap", "alibi"])
 def test_kvcache_decode_variants(variant):
     """The AMX decode's score pass (16 rows a vector, rows of several heads and queries):
-    causal with a window at Lq = 3, softcap, ALiBi, over splits and a cache with left
-    padding."""
+    causal with a window at Lq = 3 (and rotary: the step's append on this target), softcap,
+    ALiBi, over splits and a cache with left padding."""
     kw = {"causal_window": dict(causal=True, window=(300, -1)), "softcap": dict(softcap=5.0),
           "alibi": dict(alibi=True)}[variant]
     causal, window = kw.pop("causal", False), kw.pop("window", (-1, -1))
-    check_kvcache("contiguous", causal, window, None, 3, 1, dtype=torch.bfloat16, heads=(8, 2), d=128,
-                  capacity=1000, lengths=(900, 3, 400), num_splits=2, **kw)
+    check_kvcache("contiguous", causal, window, "interleaved" if causal else None, 3, 1, dtype=torch.bfloat16,
+                  heads=(8, 2), d=128, capacity=1000, lengths=(900, 3, 400), num_splits=2, **kw)
