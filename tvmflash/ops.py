@@ -17,7 +17,8 @@ from typing import Optional
 
 import torch
 
-from .spec import BLOCK_MASK_ARGS, DECODE_ROWS, VARIANT_ARGS, AttentionSpec
+from .spec import (BLOCK_MASK_ARGS, DECODE_ROWS, ROTARY_HALVES, ROTARY_INTERLEAVED, ROTARY_NONE, VARIANT_ARGS,
+                   AttentionSpec)
 
 _TORCH_TO_TVM = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -412,7 +413,8 @@ class DecodePlan:
     own, and one split writes the outputs itself); `tail`: the kernel's arguments after the
     modifiers' (on CPUs its kv-heads a task); `check`: the CPU module's index check
     (kernels/decode.cache_check_kernel), its result tensor and a numpy view of that; `append`:
-    the same for the CPU module's check-and-write kernels, by the rotary tables' dtype."""
+    the module's append kernels by the rotary tables' dtype, with (CPU) the same pair for their
+    checks' result (CUDA's kernel does not check: None, None)."""
 
     spec: AttentionSpec
     kernel: object
@@ -426,7 +428,7 @@ class DecodePlan:
 
 @dataclasses.dataclass
 class CacheStep:
-    """What a CPU decode step writes before it attends (flash_attn_with_kvcache's k, v and
+    """What a decode step writes before it attends (flash_attn_with_kvcache's k, v and
     rotary): the new tokens `k`, `v` (B, N, Hk, D) or None, the rotary tables `cos`, `sin`
     (Lro, rotary_dim / 2) or None, `interleaved` pairs (else halves), `q_steps` (the queries at
     consecutive positions, else all at the first new one)."""
@@ -575,8 +577,6 @@ def _append_step(plan: DecodePlan, step: CacheStep, q, k_cache, v_cache, block_t
     the checks, then the writes; schedules/cuda_decode.py's on CUDA): the new tokens into the
     cache, rotated where the step has rotary tables; returns q (B, H, Lq, D) as the step attends
     with it (rotated: a new tensor)."""
-    from .spec import ROTARY_HALVES, ROTARY_INTERLEAVED, ROTARY_NONE
-
     appends, result, seen = plan.append
     B, H, Lq, D = q.shape
     queries = q.transpose(1, 2)  # (B, Lq, H, D), as the caller gave it
