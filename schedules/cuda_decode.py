@@ -58,7 +58,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmflash.kernels.common import F32, NEG_INF, Shape
-from tvmflash.kernels.decode import PAGE_ALIGN, append_name, declare_append_args, declare_decode_args
+from tvmflash.kernels.decode import PAGE_ALIGN, append_name, declare_append_args, declare_decode_args, rotated_pair
 from tvmflash.kernels.score_mods import ScoreIndex
 from tvmflash.spec import DECODE_ROWS as ROWS
 from tvmflash.spec import ROTARY_INTERLEAVED, ROTARY_NONE, AttentionSpec
@@ -416,16 +416,14 @@ def append_kernel_cuda(spec: AttentionSpec, table_dtype: str) -> tirx.PrimFunc:
                 upper = T.meta_var(T.Select(pairs, d % 2 == 1, d >= HALF))
                 if e < heads * D:
                     if keys:
-                        a = T.meta_var(T.Cast(F32, K[b, i, h, first]))
-                        z = T.meta_var(T.Cast(F32, K[b, i, h, second]))
+                        lo, hi = T.meta_var(rotated_pair(T.Cast(F32, K[b, i, h, first]), T.Cast(F32, K[b, i, h, second]),
+                                                         c, sn))
                         V_CACHE[page, pos % PAGE, h, d] = V[b, i, h, d]
                         K_CACHE[page, pos % PAGE, h, d] = T.Select(
-                            rotary == ROTARY_NONE or d >= 2 * HALF, K[b, i, h, d],
-                            T.Cast(dt, T.Select(upper, a * sn + z * c, a * c - z * sn)))
+                            rotary == ROTARY_NONE or d >= 2 * HALF, K[b, i, h, d], T.Cast(dt, T.Select(upper, hi, lo)))
                     else:
-                        a = T.meta_var(T.Cast(F32, Q[b, i, h, first]))
-                        z = T.meta_var(T.Cast(F32, Q[b, i, h, second]))
-                        Q_ROTATED[b, i, h, d] = T.Select(
-                            d >= 2 * HALF, Q[b, i, h, d], T.Cast(dt, T.Select(upper, a * sn + z * c, a * c - z * sn)))
+                        lo, hi = T.meta_var(rotated_pair(T.Cast(F32, Q[b, i, h, first]), T.Cast(F32, Q[b, i, h, second]),
+                                                         c, sn))
+                        Q_ROTATED[b, i, h, d] = T.Select(d >= 2 * HALF, Q[b, i, h, d], T.Cast(dt, T.Select(upper, hi, lo)))
 
     return append.with_attr("global_symbol", append_name(spec, table_dtype))

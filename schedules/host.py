@@ -90,7 +90,7 @@ def kernels(spec, target: dict, knobs: dict, pair_dot=None) -> dict:
             ("_combine", forward_combine_kernel(spec)))}
 
     if spec.kv_cache:  # flash_attn_with_kvcache's decode: the split-KV forward on the cache, its checks and writes
-        steps = (cache_check_kernel(), cache_check_kernel(spec, spec.dtype), cache_check_kernel(spec))
+        steps = (cache_check_kernel(), *(cache_check_kernel(spec, t) for t in dict.fromkeys((spec.dtype, "float32"))))
         return {**split_kernels("decode"), **{f.attrs["global_symbol"]: f for f in steps}}
     bq, bk = knobs["bwd_block_q"], knobs["bwd_block_k"]
     funcs = {

@@ -646,6 +646,20 @@ def append_name(spec: AttentionSpec, table_dtype: str) -> str:
     return "decode_append_f32" if table_dtype == F32 != spec.dtype else "decode_append"
 
 
+def rotated_pair(a, b, c, s):
+    """(a, b) turned by the angle whose cosine and sine are c and s: (a c - b s, a s + b c)."""
+    return a * c - b * s, a * s + b * c
+
+
+@T.inline
+def store_rotated_pair(DST, d0, d1, SRC, s0, s1, h, lo, hi, c, s):
+    """DST[d0, d1, h, lo] and [.., hi] = SRC[s0, s1, h, lo] and [.., hi] turned (`rotated_pair`,
+    in fp32)."""
+    first, second = T.meta_var(rotated_pair(T.Cast(F32, SRC[s0, s1, h, lo]), T.Cast(F32, SRC[s0, s1, h, hi]), c, s))
+    DST[d0, d1, h, lo] = T.Cast(DST.dtype, first)
+    DST[d0, d1, h, hi] = T.Cast(DST.dtype, second)
+
+
 @T.inline
 def rotate_rows(DST, d0, d1, SRC, s0, s1, heads, pos, COS, SIN, rotary, HALF, D):
     """DST[d0, d1, h, :] = SRC[s0, s1, h, :] rotated at position `pos` (`rotary`: interleaved
@@ -653,16 +667,12 @@ def rotate_rows(DST, d0, d1, SRC, s0, s1, heads, pos, COS, SIN, rotary, HALF, D)
     for h in T.serial(heads):
         if rotary == ROTARY_INTERLEAVED:
             for p in T.serial(HALF):
-                a = T.meta_var(T.Cast(F32, SRC[s0, s1, h, 2 * p]))
-                b = T.meta_var(T.Cast(F32, SRC[s0, s1, h, 2 * p + 1]))
-                DST[d0, d1, h, 2 * p] = T.Cast(DST.dtype, a * T.Cast(F32, COS[pos, p]) - b * T.Cast(F32, SIN[pos, p]))
-                DST[d0, d1, h, 2 * p + 1] = T.Cast(DST.dtype, a * T.Cast(F32, SIN[pos, p]) + b * T.Cast(F32, COS[pos, p]))
+                store_rotated_pair(DST, d0, d1, SRC, s0, s1, h, 2 * p, 2 * p + 1, T.Cast(F32, COS[pos, p]),
+                                   T.Cast(F32, SIN[pos, p]))
         elif rotary == ROTARY_HALVES:
             for p in T.serial(HALF):
-                a = T.meta_var(T.Cast(F32, SRC[s0, s1, h, p]))
-                b = T.meta_var(T.Cast(F32, SRC[s0, s1, h, p + HALF]))
-                DST[d0, d1, h, p] = T.Cast(DST.dtype, a * T.Cast(F32, COS[pos, p]) - b * T.Cast(F32, SIN[pos, p]))
-                DST[d0, d1, h, p + HALF] = T.Cast(DST.dtype, a * T.Cast(F32, SIN[pos, p]) + b * T.Cast(F32, COS[pos, p]))
+                store_rotated_pair(DST, d0, d1, SRC, s0, s1, h, p, p + HALF, T.Cast(F32, COS[pos, p]),
+                                   T.Cast(F32, SIN[pos, p]))
         for e in T.serial(T.Select(rotary == ROTARY_NONE, T.int64(0), 2 * HALF), T.int64(D)):
             DST[d0, d1, h, e] = SRC[s0, s1, h, e]
 
