@@ -153,6 +153,22 @@ def column_16(src, rows_at: list, row_bytes):
                       _ROW_LANES * tirx.Broadcast(tirx.const(row_bytes, "int32"), 16))
 
 
+def transpose_16(rows: list) -> list:
+    """The 16 columns of a 16 x 16 block of 32-bit lanes given as its 16 rows (vectors), by
+    four rounds of two-source shuffles, 64 in all (LLVM picks `vpermt2ps` / unpacks): each round
+    swaps the off-diagonal h x h blocks of every 2h x 2h block, h = 8, 4, 2, 1. (A column by
+    `vgatherdps` is 16 loads.) Emits its bindings into the statement being built."""
+    for h in (8, 4, 2, 1):
+        keep = [tirx.const(c if not c & h else 16 + c - h, "int32") for c in range(16)]
+        swap = [tirx.const(c + h if not c & h else 16 + c, "int32") for c in range(16)]
+        nxt = list(rows)
+        for i in (i for i in range(16) if not i & h):
+            nxt[i] = irb.bind(tirx.Shuffle([rows[i], rows[i + h]], keep))
+            nxt[i + h] = irb.bind(tirx.Shuffle([rows[i], rows[i + h]], swap))
+        rows = nxt
+    return rows
+
+
 def store_fp32_row(dst, index: list, lo, hi) -> None:
     """dst[*index, c0 : c0 + 32] = 32 fp32 (two fp32x16, lo first), index's last entry c0."""
     *prefix, c0 = index
@@ -189,6 +205,13 @@ def store_word_halves(dst, b, h, p, r0, words):
                          [b, h, p * 2 + e, tirx.Ramp(r0, 1, 32)])
 
 
+def store_pair_columns(dst, b, h, p0, r0, halves) -> None:
+    """dst[b, h, 2 (p0 + w) + e, r0 : r0 + 32] = half e of word w of 32 rows: `halves` holds
+    `word_block_columns` of rows r0.. and r0 + 16.. (`store_word_halves` a word column)."""
+    for w in range(16):
+        store_word_halves(dst, b, h, p0 + w, r0, [columns[w] for columns in halves])
+
+
 def fp32_column(src, b, h, r0, d, rows):
     """src[b, h, r0 + r, d] of an fp32 `src`, rows r < 32, as two fp32x16 (`word_column`)."""
     return [tirx.reinterpret("float32x16", w) for w in word_column(src, b, h, r0, d, rows)]
@@ -208,6 +231,26 @@ def split_bf16(x):
     rounded = bits + v16(0x7FFF) + ((bits >> v16(16)) & v16(1))
     hi = tirx.reinterpret("float32x16", rounded & v16(0xFFFF0000))
     return hi, x - hi
+
+
+def word_block_columns(src, b, h, r0, w0, rows):
+    """The 32-bit words src[b, h, r0 + r, 2 (w0 + w) : 2 (w0 + w) + 2] (bf16 pairs) of rows
+    r < 16 and words w < 16 as 16 vectors, one per word w (its 16 rows' words): 16 row loads
+    and `transpose_16`, 0 for rows past `rows` (row indices clamped in bounds). Where the
+    same block by `word_column`'s gathers takes 16 loads a vector."""
+    zero = tirx.Broadcast(_u32(0), 16)
+    lanes = _ramp(src, w0 * 2, 32)
+    row_words = []
+    for r in range(16):
+        bits = tirx.reinterpret("uint16x32", tirx.BufferLoad(src, [b, h, tirx.min(r0 + r, rows - 1), lanes]))
+        row_words.append(irb.bind(tirx.Select(r0 + r < rows, tirx.reinterpret("uint32x16", bits), zero)))
+    return transpose_16(row_words)
+
+
+def store_word_columns(dst, r0, c0, columns) -> None:
+    """dst[r0 + w, c0 : c0 + 16] = columns[w] (`word_block_columns`' words, as VNNI pairs)."""
+    for w, column in enumerate(columns):
+        irb.buffer_store(dst, column, [r0 + w, tirx.Ramp(c0, 1, 16)])
 
 
 def key_row(src, b, h, row, rows, c0, lanes: int = 32):
@@ -273,14 +316,16 @@ def bf16_pairs(even, odd):
     return tirx.reinterpret("uint32x16", tirx.Shuffle([_to_bf16(even, odd)], _INTERLEAVE))
 
 
-# 2^f on [0, 1), degree 4, near-minimax: relative error 2.6e-6, far below bf16's 3.9e-3
-EXP2_POLY = (1.0000026226043701, 0.69300377368927, 0.24144287407398224, 0.05201142653822899, 0.013534124940633774)
+# 2^f on [0, 1) by degree, near-minimax relative error: 4 -> 2.6e-6 (fp32 work: the bf16x3
+# forward, tanh, the backward), 3 -> 7.5e-5 (bf16 probabilities, rounded to bf16's 3.9e-3 anyway)
+EXP2_POLY = {4: (1.0000026226043701, 0.69300377368927, 0.24144287407398224, 0.05201142653822899, 0.013534124940633774),
+             3: (0.9999252557754517, 0.695833146572113, 0.2260679006576538, 0.07802411168813705)}
 REDUCE_FLOOR = 9  # vreduceps imm8: keep 0 fraction bits, round down (01), no precision exception
 
 
-def exp2_16(x):
-    """2^x of 16 fp32 lanes for bf16 probabilities: f = x - floor(x) in one `vreduceps`, a
-    degree-4 polynomial in f and `vscalefps`, which scales by 2^floor(x) from x itself (one
+def exp2_16(x, degree: int = 4):
+    """2^x of 16 fp32 lanes: f = x - floor(x) in one `vreduceps`, a polynomial in f of
+    `degree` (EXP2_POLY) and `vscalefps`, which scales by 2^floor(x) from x itself (one
     instruction each where round, subtract and the generic fast_exp's exponent bits take six);
     exp(s) is exp2_16(s * log2(e)) with the factor folded into the caller's scale. Lanes with
     x <= -125 (masked scores are -inf) are zeroed by the scalef's own mask: exactly 0 (a fully
@@ -290,8 +335,9 @@ def exp2_16(x):
     f = tirx.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.mask.reduce.ps.512", x,
                                    tirx.const(REDUCE_FLOOR, "int32"), x, tirx.const(-1, "int16"),
                                    tirx.const(4, "int32"))
-    p = v16(EXP2_POLY[-1])
-    for c in reversed(EXP2_POLY[:-1]):
+    poly = EXP2_POLY[degree]
+    p = v16(poly[-1])
+    for c in reversed(poly[:-1]):
         p = p * f + v16(c)
     scaled = tirx.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.mask.scalef.ps.512", p, x, p,
                                         tirx.const(-1, "int16"), tirx.const(4, "int32"))

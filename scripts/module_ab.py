@@ -8,6 +8,7 @@ the folders together on the machine that runs them (TVM's runtime is enough ther
                                                                    # or flex:CASE (below)
     python scripts/module_ab.py run DIR_A DIR_B ... [--shape B,L,H,D] [--kwargs JSON] [--plain] [--out F.jsonl]
                                    [--fp32-precision high]   # inputs of the folders' spec's dtype
+                                   [--sdpa-layout] [--forward-only]
 
 `--kwargs`: flash_attn_func's keywords for the call (e.g. '{"softcap": 30.0}'; "alibi_slopes":
 true passes random slopes), which must select the folders' spec. `--plain` also times the call
@@ -89,7 +90,8 @@ def spec_of(folder: Path, call: str) -> AttentionSpec:
     return spec_of_call(call) if call.startswith(FLEX) else spec_from_dict(json.loads((folder / "spec.json").read_text()))
 
 
-def run(folders: list[Path], shape: tuple, kwargs: dict, plain: bool, out: Path | None) -> None:
+def run(folders: list[Path], shape: tuple, kwargs: dict, plain: bool, out: Path | None, sdpa_layout: bool = False,
+        forward_only: bool = False) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     call_text = call_of(folders[0])
     spec = spec_of(folders[0], call_text)
@@ -97,8 +99,11 @@ def run(folders: list[Path], shape: tuple, kwargs: dict, plain: bool, out: Path 
     batch, seqlen, heads, head_dim = shape
     flex_call = call_text.startswith(FLEX)
     g = torch.Generator(device=device).manual_seed(0)
-    layout = (batch, heads, seqlen, head_dim) if flex_call else (batch, seqlen, heads, head_dim)
+    heads_first = flex_call or sdpa_layout
+    layout = (batch, heads, seqlen, head_dim) if heads_first else (batch, seqlen, heads, head_dim)
     q, k, v, dout = (torch.randn(layout, device=device, dtype=dtype, generator=g) for _ in range(4))
+    if sdpa_layout and not flex_call:  # flash_attn_func's (B, L, H, D) views of (B, H, L, D) memory
+        q, k, v, dout = (x.transpose(1, 2) for x in (q, k, v, dout))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     if kwargs.get("alibi_slopes") is True:
         kwargs["alibi_slopes"] = torch.rand(heads, device=device, generator=g) * 0.1
@@ -133,7 +138,7 @@ def run(folders: list[Path], shape: tuple, kwargs: dict, plain: bool, out: Path 
             if use:
                 ops._loaded[key] = modules[use]
             torch.autograd.grad(attention(q, k, v, **call_kwargs), (q, k, v), dout)
-        return {f"{name} fwd": fwd, f"{name} fwd+bwd": fwd_bwd}
+        return {f"{name} fwd": fwd} if forward_only else {f"{name} fwd": fwd, f"{name} fwd+bwd": fwd_bwd}
 
     fns = {}
     for name in modules:
@@ -154,12 +159,13 @@ def run(folders: list[Path], shape: tuple, kwargs: dict, plain: bool, out: Path 
         fn()
     iters = 3 if device.type == "cuda" else 1
     ms = _interleaved_median_ms(fns, rounds=7, iters=iters, device=device.type)
-    row = {"spec": spec.name, "call": call_text, "shape": shape, "fp32_matmul_precision": torch.get_float32_matmul_precision(),
+    passes = ("fwd",) if forward_only else ("fwd", "fwd+bwd")
+    row = {"spec": spec.name, "call": call_text, "shape": shape, "sdpa_layout": sdpa_layout, "fp32_matmul_precision": torch.get_float32_matmul_precision(),
            "kwargs": {name: value for name, value in kwargs.items() if not torch.is_tensor(value)},
            "ms": ms, "max_diff_vs_first": diffs, "max_diff_second_call": again,
-           "speedup": {p: {n: ms[f"{first} {p}"] / ms[f"{n} {p}"] for n in modules} for p in ("fwd", "fwd+bwd")}}
+           "speedup": {p: {n: ms[f"{first} {p}"] / ms[f"{n} {p}"] for n in modules} for p in passes}}
     if plain:
-        row["vs_plain"] = {p: {n: ms[f"plain {p}"] / ms[f"{n} {p}"] for n in modules} for p in ("fwd", "fwd+bwd")}
+        row["vs_plain"] = {p: {n: ms[f"plain {p}"] / ms[f"{n} {p}"] for n in modules} for p in passes}
     print(json.dumps(row), flush=True)
     if out:
         with out.open("a") as f:
@@ -182,13 +188,16 @@ def main() -> None:
     r.add_argument("--out", type=Path)
     r.add_argument("--fp32-precision", choices=("highest", "high", "medium"),
                    help="torch.set_float32_matmul_precision for the run (fp32 on AMX: 'high' takes the bf16x3 kernels)")
+    r.add_argument("--sdpa-layout", action="store_true",
+                   help="q, k, v in (B, H, L, D) memory, as scaled_dot_product_attention takes them (the CPU grid's layout)")
+    r.add_argument("--forward-only", action="store_true")
     args = parser.parse_args()
     if args.command == "build":
         build_into(args.folder, args.spec, TARGETS[args.target](), json.loads(args.knobs))
     else:
         with float32_matmul_precision(args.fp32_precision):
             run(args.folders, tuple(int(x) for x in args.shape.split(",")), json.loads(args.kwargs), args.plain,
-                args.out)
+                args.out, args.sdpa_layout, args.forward_only)
 
 
 if __name__ == "__main__":

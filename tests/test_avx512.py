@@ -51,9 +51,10 @@ def test_asm_bf16_forward_runs_on_amx_tiles():
         assert "expf" not in fwd  # fast exp, no libm calls
         # exp2: x - floor(x) by vreduceps, 2^floor(x) by vscalefps (amx.exp2_16)
         assert "vreduceps" in fwd and "vscalefps" in fwd
-        # O's rows gather O^T's columns and take 1 / l: a division a row (up to 256 rows a
-        # q-block, 16 a vector), not one an output (64 dims x 64 or 256 rows)
-        assert "vgatherdps" in fwd and fwd.count("vdivps") <= 16
+        # O's rows from O^T's and Q^T's pairs from Q's 16 x 16 blocks by two-source shuffles
+        # (amx.transpose_16), not gathers; 1 / l a division a row (up to 256 rows a q-block, 16
+        # a vector), not one an output (64 dims x 64 or 256 rows)
+        assert "vpermt2" in fwd and "gather" not in fwd and fwd.count("vdivps") <= 16
 
 
 def test_asm_fp32_high_precision_forward_runs_on_amx_tiles():
@@ -73,14 +74,14 @@ def test_asm_fp32_high_precision_forward_runs_on_amx_tiles():
     assert "vfmadd" in asm["forward"]
 
 
-def test_asm_amx_transposing_packs_gather_words():
-    """The packs that transpose (V^T, K^T, the Q / dO pairs; Q's pairs inside the forward)
-    gather 32-bit words (`vpgatherdd`, amx.word_column), not 16-bit elements one by one."""
+def test_asm_amx_transposing_packs_move_words():
+    """The packs that transpose move 32-bit words, not 16-bit elements one by one: the
+    forward's V^T by shuffles of 16 x 16 word blocks (amx.word_block_columns), the backward's
+    K^T and Q / dO pairs by gathers (`vpgatherdd`, amx.word_column)."""
     asm = spr_asm(AttentionSpec("bfloat16", 64, causal="bottom_right"))
-    for name in ("forward_pack", "forward_pack_vt", "backward_pack"):
-        assert "vpgatherdd" in asm[name] and "vpinsrw" not in asm[name], name
-    for name in ("forward", "forward_long"):
-        assert "vpgatherdd" in asm[name], name
+    for name in ("forward_pack", "forward_pack_vt"):
+        assert "vpermt2" in asm[name] and "gather" not in asm[name] and "vpinsrw" not in asm[name], name
+    assert "vpgatherdd" in asm["backward_pack"] and "vpinsrw" not in asm["backward_pack"]
 
 
 def test_asm_bf16_backward_runs_on_amx_tiles():
