@@ -312,9 +312,18 @@ def softmax_rows(name, sT, src_scale, m, pp, ls, p0, pairs, k0, seqlen_k, block_
                              dropout, segments)
 
 
+def first_chunk_sets_max(has_mods: bool, dropout: bool) -> bool:
+    """Whether the first kv block is chunked too, m set from its first chunk's max (with the
+    usual GROW check: a later chunk well above it takes the block's max and P again): plain
+    specs, where it spares the first block's pass over its whole S^T for the max (a quarter of
+    an L = 1024 task's blocks)."""
+    return not has_mods and not dropout
+
+
 def chunked_softmax(score: ScorePipeline, has_mods: bool, dropout: bool, later, whole, split, terms):
     """Whether a kv block takes P chunk by chunk, each 32 keys of S^T as the GEMM leaves them
-    (in L1): a block after the first (whose max sets m) whose scores need no pass of their own:
+    (in L1): a block after the first (whose max sets m; any block of a plain spec,
+    `first_chunk_sets_max`) whose scores need no pass of their own:
     no dropout, no mask on the tile (all of a plain spec's tiles: its padded keys are 0 in
     `probabilities`), and value modifiers only where `exponent` takes them (`terms`: a lone
     softcap's on whole tiles, a split bias where the tile splits). Xeon, 16 threads, same
@@ -322,8 +331,8 @@ def chunked_softmax(score: ScorePipeline, has_mods: bool, dropout: bool, later, 
     softcap's (D = 128) 1.07-1.10x."""
     if dropout:
         return tirx.const(False, "bool")
-    if not has_mods:
-        return later
+    if not has_mods:  # every block: the first one's first chunk sets m (`first_chunk_sets_max`)
+        return tirx.const(True, "bool")
     if not score.changes_values or (terms is not None and terms[0] == "squash"):
         return tirx.all(later, whole)
     if terms is not None and terms[0] == "split":
@@ -342,11 +351,11 @@ def qk_rows(unit, name, sT, kp, qp, b, hk, k0, j0, rows, head_dim, block_q, kp_r
 
 
 @T.inline
-def block_max(sT, src_scale, tmax, k0, seqlen_k, block_k, block_q, terms=None):
-    """tmax = each query's max of s * src_scale (+ a split bias's `terms`) over the real keys
-    of a kv block's S^T."""
+def block_max(sT, src_scale, tmax, k0, seqlen_k, block_k, block_q, terms=None, name="block_max"):
+    """tmax = each query's max (with tmax's own) of s * src_scale (+ a split bias's `terms`)
+    over the real keys of S^T's first `block_k` rows."""
     for j in T.serial(block_k):
-        with T.sblock("block_max"):
+        with T.sblock(name):
             T.reads(sT[j, 0:block_q], tmax[0:block_q])
             T.writes(tmax[0:block_q])
             for ic in T.serial(block_q // 16):
@@ -626,6 +635,9 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                                     small_scores(sT, bound, small, c * 32, 32, BQ, squash_limit)
                                     with T.sblock("small_tile"):
                                         small_tile[0] = T.Select(c == 0, small[0], T.min(small_tile[0], small[0]))
+                                if first_chunk_sets_max(has_mods, dropout):
+                                    if tirx.all(vkb == kb_lo, c == 0):
+                                        block_max(sT, src_scale, m, k0, LK, 32, BQ, None, "first_chunk_max")
                                 softmax_rows("softmax_chunk", sT, src_scale, m, pp, ls, c * 16, 16, k0, LK, BQ, terms,
                                              small_terms, whole, small, zT, False, SEG)
                         else:
@@ -657,9 +669,10 @@ def forward_amx_kernel(spec: AttentionSpec, block_q: int, block_k: int, kv_pad: 
                             softmax_rows("softmax_pack", sT, src_scale, m, pp, ls, 0, PAIRS, k0, LK, BQ, terms, small_terms,
                                          whole, small_tile, zT, dropout, SEG)
                         # m must move if an exponent passed GROW; then some row sum passed 2^GROW
+                        first_grows = T.meta_var(0 if first_chunk_sets_max(has_mods, dropout) else 1)
                         with T.sblock("init_grow"):
-                            grow[0] = T.Select(vkb == kb_lo, 1, 0)
-                            grow[1] = T.Select(vkb == kb_lo, 1, 0)
+                            grow[0] = T.Select(vkb == kb_lo, first_grows, 0)
+                            grow[1] = T.Select(vkb == kb_lo, first_grows, 0)
                         for i in T.serial(BQ):
                             with T.sblock("grow_check"):
                                 vi = T.axis.remap("R", [i])
