@@ -354,10 +354,10 @@ def chunked_softmax(score: ScorePipeline, has_mods: bool, dropout: bool, later, 
     softcap's on whole tiles, a split bias where the tile splits). Xeon, 16 threads, same
     process: bf16 L = 1024 / 4096 forward 1.02-1.06x faster (D = 128 L = 1024 within 1.5%),
     softcap's (D = 128) 1.07-1.10x."""
+    if first_chunk_sets_max(has_mods, dropout):  # every block: the first one's first chunk sets m
+        return tirx.const(True, "bool")
     if dropout:
         return tirx.const(False, "bool")
-    if not has_mods:  # every block: the first one's first chunk sets m (`first_chunk_sets_max`)
-        return tirx.const(True, "bool")
     if not score.changes_values or (terms is not None and terms[0] == "squash"):
         return tirx.all(later, whole)
     if terms is not None and terms[0] == "split":
