@@ -157,14 +157,16 @@ def transpose_16(rows: list) -> list:
     """The 16 columns of a 16 x 16 block of 32-bit lanes given as its 16 rows (vectors), by
     four rounds of two-source shuffles, 64 in all (LLVM picks `vpermt2ps` / unpacks): each round
     swaps the off-diagonal h x h blocks of every 2h x 2h block, h = 8, 4, 2, 1. (A column by
-    `vgatherdps` is 16 loads.) Emits its bindings into the statement being built."""
+    `vgatherdps` is 16 loads.) Expressions, not bindings: LLVM merges their shared subtrees, and
+    a let per shuffle made TVM's codegen take ~7 s a transposing kernel (the forward and its packs
+    built in 2x the time, no faster at run time)."""
     for h in (8, 4, 2, 1):
         keep = [tirx.const(c if not c & h else 16 + c - h, "int32") for c in range(16)]
         swap = [tirx.const(c + h if not c & h else 16 + c, "int32") for c in range(16)]
         nxt = list(rows)
         for i in (i for i in range(16) if not i & h):
-            nxt[i] = irb.bind(tirx.Shuffle([rows[i], rows[i + h]], keep))
-            nxt[i + h] = irb.bind(tirx.Shuffle([rows[i], rows[i + h]], swap))
+            nxt[i] = tirx.Shuffle([rows[i], rows[i + h]], keep)
+            nxt[i + h] = tirx.Shuffle([rows[i], rows[i + h]], swap)
         rows = nxt
     return rows
 
