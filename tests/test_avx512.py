@@ -614,3 +614,18 @@ def test_kvcache_decode_variants(variant):
     causal, window = kw.pop("causal", False), kw.pop("window", (-1, -1))
     check_kvcache("contiguous", causal, window, "interleaved" if causal else None, 3, 1, dtype=torch.bfloat16,
                   heads=(8, 2), d=128, capacity=1000, lengths=(900, 3, 400), num_splits=2, **kw)
+
+
+@needs_amx
+@pytest.mark.parametrize("case", ["relative bias + causal", "document mask"])
+@pytest.mark.parametrize("lq", [130, 5], ids=str)  # 5: the split-KV forward on AMX tiles
+def test_flex_bf16_on_amx(case, lq):
+    """flex_attention on the AMX kernels (the rest of the suite runs flex on the host path): a
+    score_mod gathering from a captured table under a causal mask_mod, and a document mask
+    whose block mask has empty, partial and whole blocks; forward, lse and every gradient."""
+    from test_flex import _mods, _tables, flex_run
+
+    q, k, v, dout = make(1, 4, 1, lq, 300, 64, DTYPES["bf16"], seed=8)
+    score_mod, mask_mod = _mods(case, _tables(4))
+    check_against_reference(q, k, v, dout, flex_run(score_mod, mask_mod, lq, 300, True),
+                            score_mod=score_mod, mask_mod=mask_mod)
