@@ -56,7 +56,7 @@ def test_flex_matches_reference(case, lq, lk):
 
 
 @pytest.mark.parametrize("case", ["relative bias + causal", "softcap score"])
-@pytest.mark.parametrize("lq", [130, 5], ids=str)  # 5: the split-KV forward, on AMX tiles where they run
+@pytest.mark.parametrize("lq", [130, 5], ids=str)  # 5: the split-KV forward (AMX: test_avx512.py)
 def test_flex_bf16(case, lq):
     q, k, v, dout = make(1, 4, 1, lq, 150, 64, DTYPES["bf16"], seed=8)
     score_mod, mask_mod = _mods(case, _tables(4))
