@@ -622,10 +622,7 @@ def test_kvcache_decode_variants(variant):
 def test_flex_bf16_on_amx(case, lq):
     """flex_attention on the AMX kernels (the rest of the suite runs flex on the host path): a
     score_mod gathering from a captured table under a causal mask_mod, and a document mask
-    whose block mask has empty, partial and whole blocks; forward, lse and every gradient."""
-    from test_flex import _mods, _tables, flex_run
+    whose block mask has empty and partial blocks; forward, lse and every gradient."""
+    from test_flex import check_flex_bf16
 
-    q, k, v, dout = make(1, 4, 1, lq, 300, 64, DTYPES["bf16"], seed=8)
-    score_mod, mask_mod = _mods(case, _tables(4))
-    check_against_reference(q, k, v, dout, flex_run(score_mod, mask_mod, lq, 300, True),
-                            score_mod=score_mod, mask_mod=mask_mod)
+    check_flex_bf16(case, lq, 300)

@@ -58,9 +58,14 @@ def test_flex_matches_reference(case, lq, lk):
 @pytest.mark.parametrize("case", ["relative bias + causal", "softcap score"])
 @pytest.mark.parametrize("lq", [130, 5], ids=str)  # 5: the split-KV forward (AMX: test_avx512.py)
 def test_flex_bf16(case, lq):
-    q, k, v, dout = make(1, 4, 1, lq, 150, 64, DTYPES["bf16"], seed=8)
+    check_flex_bf16(case, lq, 150)
+
+
+def check_flex_bf16(case, lq, lk):
+    """A named case in bf16 (4 query heads on one kv-head): forward, lse and every gradient."""
+    q, k, v, dout = make(1, 4, 1, lq, lk, 64, DTYPES["bf16"], seed=8)
     score_mod, mask_mod = _mods(case, _tables(4))
-    check_against_reference(q, k, v, dout, flex_run(score_mod, mask_mod, lq, 150, True),
+    check_against_reference(q, k, v, dout, flex_run(score_mod, mask_mod, lq, lk, True),
                             score_mod=score_mod, mask_mod=mask_mod)
 
 
