@@ -798,6 +798,8 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic,
         # a fresh copy (CUDA: the kernels load 16-byte rows, as of q, k, v; contiguous() would
         # return a contiguous but misaligned view as it is)
         dout = dout.clone(memory_format=torch.contiguous_format)
+    if out.is_cuda and not _loads_in_16_byte_rows(out):  # the prep kernel's vector loads (ours unless
+        out = out.clone(memory_format=torch.contiguous_format)  # the operator was called directly)
     spec = spec_for(q, mask, causal, window, softcap, alibi_slopes, dropout_p, flex, seqlens is not None)
     kern = _kernels(spec, q.device)
     mod_args = _mod_args(spec, (B, H, Lq, Lk), mask, window, softcap, alibi_slopes, dropout_p, dropout_rng,
