@@ -255,6 +255,7 @@ def _forward_tail_args(kern: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 
 _item_counters: dict = {}
+_allocation_streams: dict = {}  # device index -> the stream _item_counter allocates on
 
 
 def _item_counter(device: torch.device) -> torch.Tensor:
@@ -271,7 +272,16 @@ def _item_counter(device: torch.device) -> torch.Tensor:
     key = (index, torch._C._cuda_getCurrentRawStream(index))
     counter = _item_counters.get(key)
     if counter is None:
-        counter = _item_counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        # allocated on a stream of its own: torch.compile's CUDA graph trees route the current
+        # stream's allocations into the graphs' pool during their warm-up runs, and a tensor
+        # kept there that is no graph output fails the recording ("Detected 1 tensor(s) in the
+        # cudagraph pool not tracked as outputs")
+        side = _allocation_streams.get(index)
+        if side is None:
+            side = _allocation_streams[index] = torch.cuda.Stream(device=index)
+        with torch.cuda.stream(side):
+            counter = _item_counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        torch.cuda.current_stream(index).wait_stream(side)
     return counter
 
 
