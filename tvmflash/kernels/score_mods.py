@@ -616,8 +616,9 @@ PROGRAM_INT = "int32"
 
 def _clamped_index(index, n):
     """A program's (int32) index into a captured tensor's dimension of size n, clamped into
-    [0, n) in 32-bit arithmetic (a 64-bit min and max took ~6 GPU instructions a load, on the
-    partial tiles' path of a flex mask), as int64 for the address."""
+    [0, n) in 32-bit arithmetic, as int64 for the address. (Clamped in int64, a 64-bit min and
+    max a load sat on a flex mask's partial tiles: H100, the document mask's forward ran 1.12x
+    faster at 16k with 32 bits.)"""
     index = tirx.Cast(PROGRAM_INT, index)  # (already int32: a no-op)
     top = tirx.Cast(PROGRAM_INT, tirx.min(n - 1, tirx.const(2**31 - 1, "int64")))
     return tirx.Cast("int64", tirx.max(tirx.min(index, top), tirx.const(0, PROGRAM_INT)))
