@@ -804,12 +804,11 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic,
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if Lq == 0 or Lk == 0 or q.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    if dout.stride(-1) != 1 or (dout.is_cuda and not _loads_in_16_byte_rows(dout)):
-        # a fresh copy (CUDA: the kernels load 16-byte rows, as of q, k, v; contiguous() would
-        # return a contiguous but misaligned view as it is)
-        dout = dout.clone(memory_format=torch.contiguous_format)
-    if out.is_cuda and not _loads_in_16_byte_rows(out):  # the prep kernel's vector loads (ours unless
-        out = out.clone(memory_format=torch.contiguous_format)  # the operator was called directly)
+    # fresh copies where the kernels cannot read them in place (CUDA: they load 16-byte rows, as
+    # of q, k, v; contiguous() would return a contiguous but misaligned view as it is). `out` is
+    # the forward's own unless the operator was called directly
+    dout, out = (x if x.stride(-1) == 1 and not (x.is_cuda and not _loads_in_16_byte_rows(x))
+                 else x.clone(memory_format=torch.contiguous_format) for x in (dout, out))
     spec = spec_for(q, mask, causal, window, softcap, alibi_slopes, dropout_p, flex, seqlens is not None)
     kern = _kernels(spec, q.device)
     mod_args = _mod_args(spec, (B, H, Lq, Lk), mask, window, softcap, alibi_slopes, dropout_p, dropout_rng,
