@@ -28,13 +28,14 @@ def _mods(case, t):
         "relative bias + causal": (lambda s, b, h, q, kv: s + t["bias"][h, q - kv + L_DOC], causal),
         "document mask": (None, lambda b, h, q, kv: (t["doc"][q] == t["doc"][kv]) & (q >= kv)),
         "sliding window": (None, lambda b, h, q, kv: (q >= kv) & (q - kv <= 37)),
+        "two-sided band": (None, lambda b, h, q, kv: (kv <= q + 9) & (3 >= q - kv)),
         "where + sigmoid": (lambda s, b, h, q, kv: torch.where(kv % 3 == 0, s * torch.sigmoid(s), s - 1.0), None),
         "rows see nothing": (lambda s, b, h, q, kv: s * 0.5, lambda b, h, q, kv: kv < q - 20),
     }[case]
 
 
 CASES = ["causal mask", "alibi score", "softcap score", "relative bias + causal", "document mask",
-         "sliding window", "where + sigmoid", "rows see nothing"]
+         "sliding window", "two-sided band", "where + sigmoid", "rows see nothing"]
 SHAPES = [(17, 203), (203, 17), (113, 113), (5, 203)]  # 5 queries: the split-KV forward (10 rows a kv-head)
 
 
@@ -169,6 +170,39 @@ def test_row_and_key_loads_are_found():
     q_bias = ("capture", 2, ("q_idx",))
     assert _axis_nodes(program.node, program.captures, "q_idx") == (q_doc, q_bias)  # not doc[b, q - kv]
     assert _axis_nodes(program.node, program.captures, "kv_idx") == (kv_doc, kv_keep)
+
+
+_DOC = torch.tensor([0, 0, 1, 1, 1, 2, 3, 3, 3, 3] * 4)
+
+
+@pytest.mark.parametrize("mask_mod,band,pure", [
+    (lambda b, h, q, kv: q >= kv, (0, None), True),
+    (lambda b, h, q, kv: (q >= kv) & (q - kv < 1024), (0, 1023), True),
+    (lambda b, h, q, kv: kv < q - 20, (21, None), True),
+    (lambda b, h, q, kv: (kv <= q + 9) & (3 >= q - kv), (-9, 3), True),
+    (lambda b, h, q, kv: kv + 5 > q, (None, 4), True),
+    (lambda b, h, q, kv: -(kv - q) == 2, (2, 2), True),
+    (lambda b, h, q, kv: (_DOC[q] == _DOC[kv]) & (q >= kv), (0, None), False),
+    (lambda b, h, q, kv: (q >= kv) & (h < 1) & (kv >= q - 6), (0, 6), False),
+    (lambda b, h, q, kv: 2 * q >= kv, None, False),  # not a difference of indices
+    (lambda b, h, q, kv: q - kv < 3.5, None, False),  # float compares stay in the program
+    (lambda b, h, q, kv: (q >= kv) | (kv > 30), None, False),
+], ids=range(11))
+def test_bands_are_found(mask_mod, band, pure):
+    """A mask's band (the conjuncts bounding d = q_idx - kv_idx, which kernels mask with two
+    compares and use to skip tiles): the one found, and checked against mask_mod on a grid
+    (a band alone equals the mask; with other conjuncts, the mask implies it)."""
+    from tvmflash.kernels.program import split_band
+
+    found, rest = split_band(flex.trace(mask_mod, "mask")[0].node)
+    assert found == band and (rest is None) == pure
+    if band is None:
+        return
+    q, kv = torch.arange(40)[:, None], torch.arange(40)[None, :]
+    d = q - kv
+    in_band = (d >= (band[0] if band[0] is not None else -99)) & (d <= (band[1] if band[1] is not None else 99))
+    keep = torch.broadcast_to(mask_mod(torch.tensor(0), torch.tensor(0), q, kv), in_band.shape)
+    assert torch.equal(keep, in_band) if pure else not (keep & ~in_band).any()
 
 
 @pytest.mark.parametrize("fn,exc,message", [

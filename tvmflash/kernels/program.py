@@ -1,5 +1,6 @@
-"""Traced score/mask programs (tvmflash/flex.py builds them): value kinds and the symbolic
-derivative with respect to the score. TVM-free: the tracer imports it too; lowering to TIR is
+"""Traced score/mask programs (tvmflash/flex.py builds them): value kinds, the symbolic
+derivative with respect to the score, and a mask's band (`split_band`: the conjuncts that bound
+q_idx - kv_idx, which kernels mask with two compares and use to skip tiles). TVM-free: the tracer imports it too; lowering to TIR is
 `score_mods.ScoreProgram`.
 
 A node is a tuple: ("score",), ("b",), ("h",), ("q_idx",), ("kv_idx",), ("const", value),
@@ -17,6 +18,8 @@ ARITH = ("add", "sub", "mul", "div", "floordiv", "mod", "neg", "abs", "min", "ma
 OPS = FLOAT_FUNCS + COMPARE + LOGIC + ARITH
 
 ZERO, ONE = ("const", 0.0), ("const", 1.0)
+# band constants beyond this are left to the generic path (programs compute in int32)
+BAND_LIMIT = 2**30
 
 
 def kind_of(node, captures) -> str:
@@ -97,3 +100,84 @@ def derivative(node, captures) -> tuple:
              "sigmoid": ("mul", node, ("sub", ONE, node)), "tanh": ("sub", ONE, ("mul", node, node)),
              "sin": ("cos", a), "cos": ("neg", ("sin", a))}[op]
     return _mul(outer, d[0])
+
+
+def _linear(node):
+    """An int node as {"q_idx": a, "kv_idx": c, "const": k} (a, c, k ints) where it is a sum of
+    integer multiples of q_idx, kv_idx and integer constants; None otherwise."""
+    op = node[0]
+    if op in ("q_idx", "kv_idx"):
+        return {op: 1}
+    if op == "const":
+        return {"const": node[1]} if type(node[1]) is int else None
+    if op in ("add", "sub"):
+        a, b = _linear(node[1]), _linear(node[2])
+        if a is None or b is None:
+            return None
+        sign = 1 if op == "add" else -1
+        return {k: a.get(k, 0) + sign * b.get(k, 0) for k in {*a, *b}}
+    if op == "neg":
+        a = _linear(node[1])
+        return None if a is None else {k: -v for k, v in a.items()}
+    if op == "mul":
+        a, b = _linear(node[1]), _linear(node[2])
+        if a is None or b is None:
+            return None
+        if set(a) <= {"const"}:
+            a, b = b, a
+        if not set(b) <= {"const"}:
+            return None
+        return {k: v * b.get("const", 0) for k, v in a.items()}
+    return None
+
+
+def _difference_bounds(node):
+    """(lo, hi) with the comparison `node` true exactly when lo <= q_idx - kv_idx <= hi (None:
+    unbounded), for comparisons of integer sums of q_idx, kv_idx and constants whose difference
+    is +-(q_idx - kv_idx) + c; None for other nodes."""
+    op = node[0]
+    if op not in ("lt", "le", "gt", "ge", "eq"):
+        return None
+    a, b = _linear(node[1]), _linear(node[2])
+    if a is None or b is None:
+        return None
+    diff = {k: a.get(k, 0) - b.get(k, 0) for k in {*a, *b}}  # node: diff OP 0
+    s, c = diff.get("q_idx", 0), diff.get("const", 0)
+    if s not in (1, -1) or diff.get("kv_idx", 0) != -s or abs(c) > BAND_LIMIT:
+        return None
+    # s d + c OP 0, d = q_idx - kv_idx: as s d OP -c, then in d
+    if op == "eq":
+        return -c * s, -c * s
+    strict = op in ("lt", "gt")
+    upper = (op in ("lt", "le")) == (s == 1)  # an upper bound on d
+    bound = -c * s
+    if upper:
+        return None, bound - (1 if strict else 0)
+    return bound + (1 if strict else 0), None
+
+
+def _conjuncts(node):
+    return _conjuncts(node[1]) + _conjuncts(node[2]) if node[0] == "and" else [node]
+
+
+def split_band(node):
+    """A mask node as (band, rest): band = (lo, hi), the mask's conjuncts that bound
+    d = q_idx - kv_idx (causal masks, sliding windows; each end an int or None, unbounded), or
+    None where there are none; rest: the other conjuncts (one node) or None where the band is
+    the whole mask. Kernels mask a band with two compares of small offsets a score."""
+    lo = hi = None
+    found, rest = False, []
+    for c in _conjuncts(node):
+        bounds = _difference_bounds(c)
+        if bounds is None:
+            rest.append(c)
+            continue
+        found = True
+        lo = bounds[0] if lo is None else lo if bounds[0] is None else max(lo, bounds[0])
+        hi = bounds[1] if hi is None else hi if bounds[1] is None else min(hi, bounds[1])
+    if not found:
+        return None, node
+    rest_node = None
+    for c in rest:
+        rest_node = c if rest_node is None else ("and", rest_node, c)
+    return (lo, hi), rest_node

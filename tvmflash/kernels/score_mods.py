@@ -26,7 +26,7 @@ import math
 
 from .common import F32, LOG2E, NEG_INF, KernelArgs, Shape, bind_once, fast_exp
 from ..spec import BLOCK_MASK_ARGS
-from .program import derivative, kind_of
+from .program import derivative, kind_of, split_band
 
 
 @dataclass(frozen=True)
@@ -494,6 +494,45 @@ class _BoundScoreProgram(ScoreProgram):
     def _held(self, node, ix):
         value = self._lower(node, None, ix)
         return tirx.reinterpret(PROGRAM_INT, value) if self._kind(node) == "f" else tirx.Cast(PROGRAM_INT, value)
+
+    @functools.cached_property
+    def _band(self) -> tuple:
+        """A mask's (band, rest) (`program.split_band`: the conjuncts that bound q_idx - kv_idx
+        as (lo, hi), the others); (None, node) for a score program."""
+        return split_band(self.program.node) if self.role == "mask" else (None, self.program.node)
+
+    @property
+    def band(self):
+        """Whether the mask is a band alone (a causal or sliding-window mask_mod): kernels then
+        mask its partial tiles with the band's two compares a score (`ScorePipeline.row_band`),
+        not the program's index arithmetic."""
+        return self._band[0] is not None and self._band[1] is None
+
+    def kv_range(self, q_lo, q_hi, shape):
+        """The keys a band lets queries [q_lo, q_hi) see, lo <= q_idx - kv_idx <= hi (a mask with
+        other conjuncts too keeps fewer); None without a band."""
+        band = self._band[0]
+        if band is None:
+            return None
+        lo, hi = band
+        return (tirx.const(0, "int64") if hi is None else q_lo - hi,
+                shape.seqlen_k if lo is None else q_hi - lo)
+
+    def q_range(self, kv_lo, kv_hi, shape):
+        band = self._band[0]
+        if band is None:
+            return None
+        lo, hi = band
+        return (tirx.const(0, "int64") if lo is None else kv_lo + lo,
+                shape.seqlen_q if hi is None else kv_hi + hi)
+
+    def tile_visible(self, q_lo, q_hi, kv_lo, kv_hi, shape):
+        """A band alone keeps a tile whole when its extreme differences lie in it."""
+        if not self.band:
+            return None
+        lo, hi = self._band[0]
+        conds = ([] if hi is None else [q_hi - 1 - kv_lo <= hi]) + ([] if lo is None else [q_lo - (kv_hi - 1) >= lo])
+        return tirx.all(*conds) if conds else tirx.const(True, "bool")
 
     def kv_list(self, q_lo, at):
         """(count, k0 of the j-th tile, index of the first tile of a full block) walking only
