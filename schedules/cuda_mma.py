@@ -18,7 +18,7 @@ from tvm.script import tirx as T
 from tvm.script.ir_builder import tirx as irb
 
 from tvmflash.kernels.common import LOG2E, NEG_INF, KernelArgs
-from tvmflash.kernels.score_mods import ScoreIndex, unrolled_choice, with_kv_parts
+from tvmflash.kernels.score_mods import BEYOND_BAND, ScoreIndex, unrolled_choice, with_kv_parts
 
 LN2 = math.log(2.0)
 PAD = 8  # elements of padding per shared-memory row
@@ -401,11 +401,19 @@ def band_offsets(score, index, mt, hh, first, width: int, wanted: bool):
     return (False, None, None) if band is None else (True, *offsets_in(band, first, width))
 
 
+def offsets_of_rows(score, index, mt, first, width: int, wanted: bool) -> list:
+    """band_offsets' (lo, hi) of a lane's rows g and g + 8 of m-tile mt, [None, None] where
+    there is no band (for pick_values)."""
+    bands = [band_offsets(score, index, mt, hh, first, width, wanted) for hh in range(2)]
+    return [band[1:] if band[0] else None for band in bands]
+
+
 @T.inline
 def banded_score(s, idx, score, scale, lo, hi, offset, ix):
     """modified_score of a masked tile's score whose masks form a band (`band_offsets`): the
-    value modifiers as on an unmasked tile, -inf outside lo <= offset < hi."""
-    modified_score(s, idx, score, scale, False, ix)
+    value modifiers as on an unmasked tile (and the masks' work beyond the band, where a flex
+    mask has more conjuncts: `ScorePipeline.band_rest`), -inf outside lo <= offset < hi."""
+    modified_score(s, idx, score, scale, BEYOND_BAND if score.band_rest else False, ix)
     s[idx] = T.Select(tirx.all(lo <= offset, offset < hi), s[idx], NEG_INF)
 
 
@@ -493,13 +501,20 @@ def softmax_tile(s, m, l, mx, alpha, n_mt, ns, score, scale, index, k0, lane, ma
             for i in T.unroll(ns * 4):
                 s[mt * ns * 4 + i] = score.squash(s[mt * ns * 4 + i] * inner)
         if by_key:  # a key's two rows together: its column values (score.col_values) load once
+            row_bands = T.meta_var(offsets_of_rows(score, index, mt, k0 + lane % 4 * 2, ns * 8, masked))
             for nt in T.unroll(ns):
                 for e in T.unroll(2):
                     first = T.meta_var(index(mt, 0, k0 + lane % 4 * 2 + nt * 8 + e))
                     col = T.meta_var(bound_values(score, "col", first.b, first.h, first.kv_idx, True))
                     for hh in T.unroll(2):
-                        modified_score(s, (mt * ns + nt) * 4 + hh * 2 + e, score, scale, masked,
-                                       with_kv_parts(index, mt, hh, base=k0 + lane % 4 * 2, offset=nt * 8 + e, col=col))
+                        idx = T.meta_var((mt * ns + nt) * 4 + hh * 2 + e)
+                        ix = T.meta_var(with_kv_parts(index, mt, hh, base=k0 + lane % 4 * 2, offset=nt * 8 + e,
+                                                      col=col))
+                        band = T.meta_var(pick_values(row_bands, hh))
+                        if band is not None:
+                            banded_score(s, idx, score, scale, band[0], band[1], nt * 8 + e, ix)
+                        else:
+                            modified_score(s, idx, score, scale, masked, ix)
         if raw and interleave:  # both rows' maxima and shuffles side by side, then their exponents
             for hh in T.unroll(2):
                 raw_row_max(mx, hh, m[mt * 2 + hh], s, mt, hh, ns, factor, log2_scale)
@@ -666,9 +681,12 @@ def copy_row_stats(stats, slot, lse2, delta, b, h, q0, nrows, limit, tid, nthrea
                     4, T.Select(row < limit, T.uint32(4), T.uint32(0)))
 
 
-def unmasked_exponent(raw, score, scale, ix):
+def unmasked_exponent(raw, score, scale, ix, beyond_band=False):
     """A raw score's exp2-domain value where no mask applies: its value modifiers (if any) on
-    the scaled score, times log2 e."""
+    the scaled score, times log2 e. `beyond_band`: a score masked by its band (`key_bands`),
+    which also takes the masks' work beyond it where they have some (`ScorePipeline.band_rest`)."""
+    if beyond_band and score.band_rest:
+        return score(raw * scale, ix, BEYOND_BAND) * T.float32(LOG2E)
     if score.changes_values:
         return score(raw * scale, ix, False) * T.float32(LOG2E)
     return raw * (scale * T.float32(LOG2E))
@@ -700,7 +718,7 @@ def transposed_probability(s, p, stats, slot, score, scale, b, h, q0, key0, lane
         s[idx] = prob[0] * score.grad(s[idx] * scale, ix)
     elif masked and band is not None:
         keep = T.meta_var(tirx.all(band[0] <= nt * 8 + e, nt * 8 + e < band[1]))
-        exp2_into(s[idx], T.Select(keep, unmasked_exponent(s[idx], score, scale, ix), NEG_INF) - row_lse2)
+        exp2_into(s[idx], T.Select(keep, unmasked_exponent(s[idx], score, scale, ix, True), NEG_INF) - row_lse2)
     elif masked:
         exp2_into(s[idx], score(s[idx] * scale, ix, True) * T.float32(LOG2E) - row_lse2)
     else:
@@ -718,6 +736,9 @@ def transposed_probabilities(s, p, stats, slot, nq8, score, scale, b, h, q0, key
     times it instead (p stays P). lse2[query] from stats[slot, 0], or from `lse2` (registers
     filled by `thread_row_stats`)."""
     modified = T.meta_var(masked or score.changes_values)
+    # masks that form a band (causal, window): each key's queries as two offsets, up front
+    bands = T.meta_var(key_bands(score, key0 + lane // 4, q0 + lane % 4 * 2, nq8 * 8,
+                                 masked and gs is None and not factored))
     if modified and score.row_values + score.col_values > 0:
         # values loaded once: a thread's two keys' up front, each query's for its two keys
         keys = T.meta_var([bound_values(score, "col", b, h, key0 + lane // 4 + kh * 8, True) for kh in range(2)])
@@ -726,11 +747,8 @@ def transposed_probabilities(s, p, stats, slot, nq8, score, scale, b, h, q0, key
                 query = T.meta_var(bound_values(score, "row", b, h, q0 + nt * 8 + lane % 4 * 2 + e, True))
                 for hh in T.unroll(2):
                     transposed_probability(s, p, stats, slot, score, scale, b, h, q0, key0, lane, masked, gs, lse2,
-                                           nt, hh, e, query, pick_values(keys, hh), factored)
+                                           nt, hh, e, query, pick_values(keys, hh), factored, pick_values(bands, hh))
     else:
-        # masks that form a band (causal, window): each key's queries as two offsets, up front
-        bands = T.meta_var(key_bands(score, key0 + lane // 4, q0 + lane % 4 * 2, nq8 * 8,
-                                     masked and gs is None and not factored))
         for nt in T.unroll(nq8):
             for hh in T.unroll(2):
                 for e in T.unroll(2):

@@ -108,6 +108,17 @@ class ScoreMod:
         None = not known per tile."""
         return None
 
+    @property
+    def has_band(self) -> bool:
+        """For masks: whether every pair it keeps lies in its kv_range / q_range band (a band
+        mask, or a flex mask with a band among its conjuncts)."""
+        return self.band
+
+    def beyond_band(self, score, ix: ScoreIndex, shape: Shape):
+        """apply, less the masking its band does (kernels mask the band by offsets,
+        `ScorePipeline.row_band`): nothing for a band, a flex mask's other conjuncts."""
+        return score if self.band else self.apply(score, ix, shape)
+
 
 @dataclass(frozen=True)
 class Causal(ScoreMod):
@@ -508,6 +519,16 @@ class _BoundScoreProgram(ScoreProgram):
         not the program's index arithmetic."""
         return self._band[0] is not None and self._band[1] is None
 
+    @property
+    def has_band(self):
+        return self._band[0] is not None
+
+    def beyond_band(self, score, ix, shape):
+        rest = self._band[1]
+        if self._band[0] is None or rest is None:
+            return self.apply(score, ix, shape) if self._band[0] is None else score
+        return tirx.Select(self._as(self._lower(rest, score, ix), "b", rest), score, NEG_INF)
+
     def kv_range(self, q_lo, q_hi, shape):
         """The keys a band lets queries [q_lo, q_hi) see, lo <= q_idx - kv_idx <= hi (a mask with
         other conjuncts too keeps fewer); None without a band."""
@@ -646,6 +667,10 @@ class _BoundScoreProgram(ScoreProgram):
         if op == "pow":
             return _power(x[0], node[2][1])
         return _FLOAT_OPS[op](x[0])
+
+
+# `ScorePipeline.__call__`'s mode for scores masked by their band (row_band, key_band)
+BEYOND_BAND = "beyond_band"
 
 
 # integer values of programs (indices, captured ids): 32-bit, which GPUs and vector units
@@ -810,22 +835,27 @@ class ScorePipeline:
         """The index and shape the modifiers see (a packed sequence's own)."""
         return (ix, self.shape) if self.seqs is None else self.seqs.local(ix)
 
-    def modify(self, score, ix: ScoreIndex, masked: bool = True):
+    def modify(self, score, ix: ScoreIndex, masked: bool | str = True):
         """The modifiers (and a packed sequence's bounds) without the kernel's bounds check;
-        `masked=False` applies only those that change values."""
+        `masked=False` applies only those that change values, BEYOND_BAND the masks' work
+        beyond their band too (`row_band`)."""
         local, shape = self._local(ix)
         for m in self.mods:
-            if masked or not m.is_mask:
+            if isinstance(masked, str) and m.is_mask:  # BEYOND_BAND
+                score = m.beyond_band(score, local, shape)
+            elif masked or not m.is_mask:
                 score = m.apply(score, local, shape)
-        if masked and self.seqs is not None:
+        if masked and not isinstance(masked, str) and self.seqs is not None:
             score = tirx.Select(self.seqs.keeps(local, shape), score, NEG_INF)
         return score
 
-    def __call__(self, score, ix: ScoreIndex, masked: bool = True):
+    def __call__(self, score, ix: ScoreIndex, masked: bool | str = True):
         """Modified score; -inf outside the sequences (tile padding). `masked=False` is for
-        tiles known to be unmasked (`tile_unmasked`): masks and bounds are skipped."""
+        tiles known to be unmasked (`tile_unmasked`): masks and bounds are skipped;
+        BEYOND_BAND for scores a kernel masks by their row's or key's band (`row_band`,
+        `key_band`, which hold the bounds): what the masks do beyond it."""
         score = self.modify(score, ix, masked)
-        if not masked:
+        if isinstance(masked, str) or not masked:  # BEYOND_BAND or False
             return score
         inside = [ix.q_idx < self.shape.seqlen_q, ix.kv_idx < self.shape.seqlen_k]
         inside += [ix.kv_idx >= 0] if self.keys_from_zero else []
@@ -973,10 +1003,11 @@ class ScorePipeline:
         return self._intersect(ranges(q_lo, q_hi, self.shape), self.shape.seqlen_k)
 
     def row_band(self, q_idx):
-        """For a pipeline whose masks are all bands (causal, window) and bounds, without packed
-        sequences: the keys [lo, hi) query row q_idx keeps (empty past the last row), so that
-        a kernel can mask a tile's scores with two compares of small offsets a score; None for
-        other pipelines (masks that look scores up or compare other quantities)."""
+        """For a pipeline whose masks all have a band (causal, window, flex masks with band
+        conjuncts) and bounds, without packed sequences: the keys [lo, hi) query row q_idx may
+        keep (empty past the last row), so that a kernel can mask a tile's scores with two
+        compares of small offsets a score, plus, where `band_rest`, the masks' work beyond the
+        band (`__call__` with BEYOND_BAND); None for other pipelines."""
         if not self._bands_only:
             return None
         lo, hi = self.kv_range(q_idx, q_idx + 1)
@@ -992,8 +1023,14 @@ class ScorePipeline:
 
     @property
     def _bands_only(self) -> bool:
-        """Whether every mask is a band (row_band, key_band) and no packed sequences move indices."""
-        return self.seqs is None and all(m.band for m in self.mods if m.is_mask)
+        """Whether every mask has a band (row_band, key_band) and no packed sequences move indices."""
+        return self.seqs is None and all(m.has_band for m in self.mods if m.is_mask)
+
+    @property
+    def band_rest(self) -> bool:
+        """Whether some mask keeps fewer pairs than its band (a flex mask's other conjuncts):
+        scores masked by `row_band` then take `__call__(..., BEYOND_BAND)` too."""
+        return any(m.is_mask and not m.band for m in self.mods)
 
     def q_range(self, kv_lo, kv_hi):
         """Queries [lo, hi) that can see keys [kv_lo, kv_hi)."""
