@@ -370,10 +370,11 @@ def pick_values(per_half: list, hh):
 
 @T.inline
 def modified_score(s, idx, score, scale, masked, ix):
-    """s[idx]: a raw score -> its modified, scaled score in the exp2 domain."""
+    """s[idx]: a raw score -> its modified, scaled score in the exp2 domain (masked: True, False
+    or BEYOND_BAND, `ScorePipeline.__call__`'s modes)."""
     if masked and not score.changes_values:  # masks pick the score or -inf: scale it in one multiply
         s[idx] = score(s[idx] * (scale * T.float32(LOG2E)), ix, masked)
-    elif masked or (score.changes_values and not score.additive):
+    elif masked is not False or (score.changes_values and not score.additive):
         s[idx] = score(s[idx] * scale, ix, masked) * T.float32(LOG2E)
     elif score.changes_values:  # a bias: one multiply-add per score on top
         s[idx] = s[idx] * (scale * T.float32(LOG2E)) + score.bias(ix, T.float32(LOG2E))
