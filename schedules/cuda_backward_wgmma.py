@@ -224,6 +224,8 @@ def dkdv_kernel_wgmma(spec: AttentionSpec, knobs: dict, with_dq: bool) -> tirx.P
                             "int32", "__ffs", T.Cast("int32", seek_hits[0])) - 1
                 st[0] = T.Cast("int64", seek_pos[0] // T.max(per_head, 1))
                 st[1] = T.Cast("int64", seek_pos[0] % T.max(per_head, 1))
+            if seek_pos[0] >= steps:  # past the walk (also where a band leaves the key tile no query)
+                st[0] = T.int64(G)
 
         @T.inline
         def load_step(st, slot):
