@@ -524,9 +524,11 @@ class _BoundScoreProgram(ScoreProgram):
         return self._band[0] is not None
 
     def beyond_band(self, score, ix, shape):
-        rest = self._band[1]
-        if self._band[0] is None or rest is None:
-            return self.apply(score, ix, shape) if self._band[0] is None else score
+        band, rest = self._band
+        if band is None:
+            return self.apply(score, ix, shape)
+        if rest is None:
+            return score
         return tirx.Select(self._as(self._lower(rest, score, ix), "b", rest), score, NEG_INF)
 
     def kv_range(self, q_lo, q_hi, shape):
