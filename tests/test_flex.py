@@ -205,6 +205,44 @@ def test_bands_are_found(mask_mod, band, pure):
     assert torch.equal(keep, in_band) if pure else not (keep & ~in_band).any()
 
 
+@pytest.mark.parametrize("mask_mod", [
+    lambda b, h, q, kv: (q >= kv) & (q // 7 == kv // 7),  # documents of 7 and causal
+    lambda b, h, q, kv: (q >= kv) & (q - kv < 5),
+    lambda b, h, q, kv: (kv <= q + 3) & (2 >= q - kv) & (kv % 3 != 1),
+], ids=["documents", "window", "two-sided and more"])
+def test_band_masking_equals_the_mask(mask_mod):
+    """What the CUDA kernels compute on a masked tile where the masks have a band: a score is
+    kept when its key lies in its row's band (`row_band`; or its query in its key's band,
+    `key_band`, S^T tiles) and the masks' work beyond the band keeps it (BEYOND_BAND). Checked
+    against the whole pipeline (masks and bounds) on every pair, past both ends too, by folding
+    the kernels' TIR expressions to constants."""
+    from tvm import sym, tirx
+
+    from tvmflash.kernels.common import Shape
+    from tvmflash.kernels.score_mods import BEYOND_BAND, ScoreIndex, ScorePipeline, ScoreProgram
+
+    analyzer = sym.Analyzer()
+
+    def folded(expr):
+        expr = analyzer.simplify(expr)
+        assert isinstance(expr, (tirx.IntImm, tirx.FloatImm)), expr
+        return expr.value
+
+    lq, lk = 19, 26
+    const = lambda n: tirx.const(n, "int64")  # noqa: E731
+    shape = Shape(*(const(n) for n in (1, 1, 1, lq, lk)))
+    pipeline = ScorePipeline([ScoreProgram("mask", flex.trace(mask_mod, "mask")[0])], None, shape)
+    one = tirx.const(1.0, "float32")
+    for q in range(lq + 2):
+        lo, hi = (folded(x) for x in pipeline.row_band(const(q)))
+        for kv in range(lk + 2):
+            ix = ScoreIndex(const(0), const(0), const(q), const(kv))
+            kept = folded(pipeline(one, ix, True)) == 1.0
+            beyond = folded(pipeline(one, ix, BEYOND_BAND)) == 1.0
+            q_lo, q_hi = (folded(x) for x in pipeline.key_band(const(kv)))
+            assert kept == (lo <= kv < hi and beyond) == (q_lo <= q < q_hi and beyond), (q, kv)
+
+
 @pytest.mark.parametrize("fn,exc,message", [
     (lambda s, b, h, q, kv: s if s > 0 else s * 2, TypeError, "Python control flow"),
     (lambda s, b, h, q, kv: s + torch.ones(3), TypeError, "index captured tensors"),
