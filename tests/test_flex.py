@@ -28,7 +28,7 @@ def _mods(case, t):
         "relative bias + causal": (lambda s, b, h, q, kv: s + t["bias"][h, q - kv + L_DOC], causal),
         "document mask": (None, lambda b, h, q, kv: (t["doc"][q] == t["doc"][kv]) & (q >= kv)),
         "sliding window": (None, lambda b, h, q, kv: (q >= kv) & (q - kv <= 37)),
-        "two-sided band": (None, lambda b, h, q, kv: (kv <= q + 9) & (3 >= q - kv)),
+        "two-sided band": (None, lambda b, h, q, kv: torch.abs(q - kv + 3) <= 6),  # -9 <= q - kv <= 3
         "where + sigmoid": (lambda s, b, h, q, kv: torch.where(kv % 3 == 0, s * torch.sigmoid(s), s - 1.0), None),
         "rows see nothing": (lambda s, b, h, q, kv: s * 0.5, lambda b, h, q, kv: kv < q - 20),
     }[case]
@@ -187,7 +187,12 @@ _DOC = torch.tensor([0, 0, 1, 1, 1, 2, 3, 3, 3, 3] * 4)
     (lambda b, h, q, kv: 2 * q >= kv, None, False),  # not a difference of indices
     (lambda b, h, q, kv: q - kv < 3.5, None, False),  # float compares stay in the program
     (lambda b, h, q, kv: (q >= kv) | (kv > 30), None, False),
-], ids=range(11))
+    (lambda b, h, q, kv: torch.abs(kv - q) < 4, (-3, 3), True),  # a symmetric window
+    (lambda b, h, q, kv: 3 > (q - kv + 2).abs(), (-4, 0), True),
+    (lambda b, h, q, kv: ~(q < kv) & (_DOC[q] == _DOC[kv]), (0, None), False),
+    (lambda b, h, q, kv: torch.abs(q - kv) > 3, None, False),  # two bands' union
+    (lambda b, h, q, kv: torch.abs(q - kv) <= -1, (1, -1), True),  # keeps nothing
+], ids=range(16))
 def test_bands_are_found(mask_mod, band, pure):
     """A mask's band (the conjuncts bounding d = q_idx - kv_idx, which kernels mask with two
     compares and use to skip tiles): the one found, and checked against mask_mod on a grid
@@ -209,7 +214,8 @@ def test_bands_are_found(mask_mod, band, pure):
     lambda b, h, q, kv: (q >= kv) & (q // 7 == kv // 7),  # documents of 7 and causal
     lambda b, h, q, kv: (q >= kv) & (q - kv < 5),
     lambda b, h, q, kv: (kv <= q + 3) & (2 >= q - kv) & (kv % 3 != 1),
-], ids=["documents", "window", "two-sided and more"])
+    lambda b, h, q, kv: (torch.abs(q - kv) < 4) & ~(kv > q + 1) & (q % 5 != 2),
+], ids=["documents", "window", "two-sided and more", "symmetric window and more"])
 def test_band_masking_equals_the_mask(mask_mod):
     """What the CUDA kernels compute on a masked tile where the masks have a band: a score is
     kept when its key lies in its row's band (`row_band`; or its query in its key's band,

@@ -131,25 +131,50 @@ def _linear(node):
     return None
 
 
+_FLIPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq"}  # a OP b == b FLIPPED[OP] a
+_NEGATED = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt"}  # not (a OP b) on integers
+
+
+def _difference(node):
+    """(s, c) with node == s (q_idx - kv_idx) + c, s = +-1, c an integer; None otherwise."""
+    lin = _linear(node)
+    if lin is None:
+        return None
+    s, c = lin.get("q_idx", 0), lin.get("const", 0)
+    if s not in (1, -1) or lin.get("kv_idx", 0) != -s or abs(c) > BAND_LIMIT:
+        return None
+    return s, c
+
+
 def _difference_bounds(node):
     """(lo, hi) with the comparison `node` true exactly when lo <= q_idx - kv_idx <= hi (None:
-    unbounded), for comparisons of integer sums of q_idx, kv_idx and constants whose difference
-    is +-(q_idx - kv_idx) + c; None for other nodes."""
+    unbounded; lo > hi: never), for comparisons of integer sums of q_idx, kv_idx and constants
+    whose difference is +-(q_idx - kv_idx) + c (`q >= kv`, `q - kv < W`), their negations, and
+    |+-(q_idx - kv_idx) + c| below a constant (symmetric windows); None for other nodes."""
     op = node[0]
-    if op not in ("lt", "le", "gt", "ge", "eq"):
+    if op == "not" and node[1][0] in _NEGATED:
+        return _difference_bounds((_NEGATED[node[1][0]], *node[1][1:]))
+    if op not in _FLIPPED:
         return None
-    a, b = _linear(node[1]), _linear(node[2])
-    if a is None or b is None:
+    left, right = node[1], node[2]
+    if right[0] == "abs":  # C OP |x|: |x| FLIPPED[OP] C
+        left, right, op = right, left, _FLIPPED[op]
+    if left[0] == "abs":  # |s d + c| < C or <= C: -C <= s d + c <= C
+        inner, bound = _difference(left[1]), _linear(right)
+        if op not in ("lt", "le") or inner is None or bound is None or set(bound) - {"const"}:
+            return None
+        (s, c), top = inner, bound.get("const", 0) - (op == "lt")
+        if abs(top) > BAND_LIMIT:
+            return None
+        return (-top - c, top - c) if s == 1 else (c - top, c + top)
+    diff = _difference(("sub", left, right))  # node: s d + c OP 0, d = q_idx - kv_idx
+    if diff is None:
         return None
-    diff = {k: a.get(k, 0) - b.get(k, 0) for k in {*a, *b}}  # node: diff OP 0
-    s, c = diff.get("q_idx", 0), diff.get("const", 0)
-    if s not in (1, -1) or diff.get("kv_idx", 0) != -s or abs(c) > BAND_LIMIT:
-        return None
-    # s d + c OP 0, d = q_idx - kv_idx: as s d OP -c, then in d
+    s, c = diff
     if op == "eq":
         return -c * s, -c * s
     strict = op in ("lt", "gt")
-    upper = (op in ("lt", "le")) == (s == 1)  # an upper bound on d
+    upper = (op in ("lt", "le")) == (s == 1)  # s d OP -c bounds d from above
     bound = -c * s
     if upper:
         return None, bound - (1 if strict else 0)
