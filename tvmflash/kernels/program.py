@@ -1,7 +1,7 @@
 """Traced score/mask programs (tvmflash/flex.py builds them): value kinds, the symbolic
 derivative with respect to the score, and a mask's band (`split_band`: the conjuncts that bound
-q_idx - kv_idx, which kernels mask with two compares and use to skip tiles). TVM-free: the tracer imports it too; lowering to TIR is
-`score_mods.ScoreProgram`.
+q_idx - kv_idx, which kernels mask with two compares and use to skip tiles). TVM-free: the
+tracer imports it too; lowering to TIR is `score_mods.ScoreProgram`.
 
 A node is a tuple: ("score",), ("b",), ("h",), ("q_idx",), ("kv_idx",), ("const", value),
 ("capture", k, *index nodes) or (op, *argument nodes).
