@@ -807,7 +807,7 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, scale, causal, deterministic,
     # fresh copies where the kernels cannot read them in place (CUDA: they load 16-byte rows, as
     # of q, k, v; contiguous() would return a contiguous but misaligned view as it is). `out` is
     # the forward's own unless the operator was called directly
-    dout, out = (x if x.stride(-1) == 1 and not (x.is_cuda and not _loads_in_16_byte_rows(x))
+    dout, out = (x if x.stride(-1) == 1 and (not x.is_cuda or _loads_in_16_byte_rows(x))
                  else x.clone(memory_format=torch.contiguous_format) for x in (dout, out))
     spec = spec_for(q, mask, causal, window, softcap, alibi_slopes, dropout_p, flex, seqlens is not None)
     kern = _kernels(spec, q.device)

@@ -190,18 +190,17 @@ def split_band(node):
     d = q_idx - kv_idx (causal masks, sliding windows; each end an int or None, unbounded), or
     None where there are none; rest: the other conjuncts (one node) or None where the band is
     the whole mask. Kernels mask a band with two compares of small offsets a score."""
-    lo = hi = None
-    found, rest = False, []
+    bands, rest = [], []
     for c in _conjuncts(node):
         bounds = _difference_bounds(c)
         if bounds is None:
             rest.append(c)
-            continue
-        found = True
-        lo = bounds[0] if lo is None else lo if bounds[0] is None else max(lo, bounds[0])
-        hi = bounds[1] if hi is None else hi if bounds[1] is None else min(hi, bounds[1])
-    if not found:
+        else:
+            bands.append(bounds)
+    if not bands:
         return None, node
+    los, his = ([b[end] for b in bands if b[end] is not None] for end in (0, 1))
+    lo, hi = max(los) if los else None, min(his) if his else None
     rest_node = None
     for c in rest:
         rest_node = c if rest_node is None else ("and", rest_node, c)

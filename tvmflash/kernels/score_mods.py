@@ -1010,7 +1010,7 @@ class ScorePipeline:
         keep (empty past the last row), so that a kernel can mask a tile's scores with two
         compares of small offsets a score, plus, where `band_rest`, the masks' work beyond the
         band (`__call__` with BEYOND_BAND); None for other pipelines."""
-        if not self._bands_only:
+        if not self._masks_have_bands:
             return None
         lo, hi = self.kv_range(q_idx, q_idx + 1)
         return lo, tirx.Select(q_idx < self.shape.seqlen_q, hi, lo)
@@ -1018,13 +1018,13 @@ class ScorePipeline:
     def key_band(self, kv_idx):
         """row_band's transpose: the queries [lo, hi) that see key kv_idx (empty past the last
         key), for a backward's S^T tiles; None where row_band is None."""
-        if not self._bands_only:
+        if not self._masks_have_bands:
             return None
         lo, hi = self.q_range(kv_idx, kv_idx + 1)
         return lo, tirx.Select(kv_idx < self.shape.seqlen_k, hi, lo)
 
     @property
-    def _bands_only(self) -> bool:
+    def _masks_have_bands(self) -> bool:
         """Whether every mask has a band (row_band, key_band) and no packed sequences move indices."""
         return self.seqs is None and all(m.has_band for m in self.mods if m.is_mask)
 
