@@ -121,3 +121,37 @@ def test_build_many_fills_the_cache_from_forked_workers(built_cache, tmp_path):
     assert held in libs and held.stat().st_mtime_ns == held_stat.st_mtime_ns
     assert proc.stderr.count("tvmflash: building") == 1
     assert all(build._is_intact(lib) for lib in libs)
+
+
+def test_a_first_build_compiles_its_kernels_in_parts(tmp_path, monkeypatch, capfd):
+    """A CPU module's first build splits its kernels over forked processes (each a share, into
+    an object file) and links them into one library that holds every kernel; a share may be
+    empty; where no child can be forked (a daemonic caller) the kernels build in the calling
+    process."""
+    import torch
+
+    import tvmflash.build as build
+    from tvmflash.ops import spec_for
+    from tvmflash.schedules import cpu_schedule
+
+    tvm = build._tvm()
+    spec = spec_for(torch.empty(1, 1, 1, 16), None, "none", (-1, -1), 0.0, None, 0.0)
+    target = build.cpu_target()
+    names = list(cpu_schedule(target).kernels(spec, target, build.default_knobs(spec, target)))
+    assert len(names) > 3
+
+    def kernels_in(path):
+        module = tvm.runtime.load_module(str(path))
+        return [n for n in names if module.implements_function(n)]
+
+    build._export_cpu_in_parts(spec, target, str(tmp_path / "parts.so"), 3)
+    assert kernels_in(tmp_path / "parts.so") == names
+    assert build._build_cpu(spec, target, part=(len(names), len(names) + 1)) is None
+
+    def no_children(method):
+        raise AssertionError("daemonic processes are not allowed to have children")
+    monkeypatch.setattr(build.multiprocessing, "get_context", no_children)
+    monkeypatch.delenv("TVMFLASH_QUIET", raising=False)
+    build._export_cpu_in_parts(spec, target, str(tmp_path / "here.so"), 3)
+    assert kernels_in(tmp_path / "here.so") == names
+    assert "building it in this one" in capfd.readouterr().err

@@ -238,7 +238,10 @@ def default_knobs(spec: AttentionSpec, target: dict) -> dict:
     return dict(cpu_schedule(target).DEFAULTS)
 
 
-def _build_cpu(spec: AttentionSpec, target: dict, knobs: dict | None = None, only: tuple | None = None):
+def _build_cpu(spec: AttentionSpec, target: dict, knobs: dict | None = None, only: tuple | None = None,
+               part: tuple | None = None):
+    """`part` (i, n): only every n-th kernel from the i-th (`_export_cpu_in_parts`); None if
+    that share is empty."""
     tvm = _tvm()
     from .kernels.common import long_scores
     from .schedules import cpu_schedule
@@ -247,6 +250,10 @@ def _build_cpu(spec: AttentionSpec, target: dict, knobs: dict | None = None, onl
     knobs = {**default_knobs(spec, target), **tuned_knobs(_tuning_kind(target), spec), **(knobs or {})}
     with long_scores("varlen" in spec.variants or spec.kv_cache):  # per-sequence coordinates in every score
         funcs = {name: f for name, f in schedule.kernels(spec, target, knobs).items() if only is None or name in only}
+    if part is not None:
+        funcs = dict(list(funcs.items())[part[0]::part[1]])
+        if not funcs:
+            return None
     sch = tvm.s_tir.Schedule(tvm.IRModule(funcs))
     for kernel in funcs:
         schedule.schedule(sch, kernel, target, knobs)
@@ -392,11 +399,63 @@ def build_cached(spec: AttentionSpec, target: dict, rebuild: bool = False) -> Pa
             return lib
         _log(f"building {spec.name} for {target_label(target)} (first use; cached in {lib.parent})")
         start = time.perf_counter()
-        built = build_module(spec, target)
-        _write_atomic(lib, built.export_library)
+        jobs = _build_jobs(target)
+        if jobs > 1:
+            _write_atomic(lib, lambda path: _export_cpu_in_parts(spec, target, path, jobs))
+        else:
+            _write_atomic(lib, build_module(spec, target).export_library)
         _write_atomic(lib.with_suffix(".sha256"), lambda p: Path(p).write_text(_digest(lib)))
         _log(f"built {spec.name} in {time.perf_counter() - start:.1f} s")
     return lib
+
+
+# A CPU module's kernels compile in this many processes at once (4.6 s of a 26 s bf16 module
+# generate the kernels, which each process repeats, 11.4 s run TIR's passes and 10 s LLVM's
+# codegen, single-threaded: dev box, 2 cores); more than this gains little over the repeats.
+MAX_BUILD_JOBS = 8
+_in_build_pool = False  # in build_many's workers, which build specs side by side already
+
+
+def _build_jobs(target: dict) -> int:
+    """Processes a module's first build splits its kernels over: $TVMFLASH_BUILD_JOBS, else
+    one a core up to MAX_BUILD_JOBS; 1 for CUDA (one nvcc compile) and in build_many's workers."""
+    if target["kind"] == "cuda" or _in_build_pool:
+        return 1
+    jobs = int(os.environ.get("TVMFLASH_BUILD_JOBS", 0)) or min(os.cpu_count() or 1, MAX_BUILD_JOBS)
+    return max(1, jobs)
+
+
+def _compile_part(spec: AttentionSpec, target: dict, part: tuple, obj: str) -> None:
+    built = _build_cpu(spec, target, part=part)
+    if built is not None:
+        built.mod.write_to_file(obj)
+
+
+def _export_cpu_in_parts(spec: AttentionSpec, target: dict, path: str, jobs: int) -> None:
+    """The CPU module of `spec` at `path`, its kernels compiled in `jobs` forked processes (each
+    every jobs-th kernel, into an object file) and linked into one library, as export_library
+    links one module's object. Where forking fails (a daemonic caller, such as a DataLoader
+    worker, may not have children) or a part does, the kernels build in this process."""
+    from tvm.support import cc
+
+    with tempfile.TemporaryDirectory() as tmp:
+        objs = [os.path.join(tmp, f"part{i}.o") for i in range(jobs)]
+        try:
+            ctx = multiprocessing.get_context("fork")
+            procs = [ctx.Process(target=_compile_part, args=(spec, target, (i, jobs), obj))
+                     for i, obj in enumerate(objs)]
+            for proc in procs:
+                proc.start()
+            for proc in procs:
+                proc.join()
+            failed = [proc.exitcode for proc in procs if proc.exitcode != 0]
+        except (AssertionError, OSError) as err:  # no children here
+            failed = [err]
+        if failed:
+            _log(f"building {spec.name} in {jobs} processes failed ({failed}); building it in this one")
+            build_module(spec, target).export_library(path)
+            return
+        cc.create_shared(path, [obj for obj in objs if os.path.exists(obj)])
 
 
 # build_many's work list, set before its workers fork (tasks carry only an index: flex specs
@@ -435,6 +494,8 @@ def _build_timed(specs, target: dict, index: int) -> tuple:
 
 
 def _build_forked(index: int) -> tuple:
+    global _in_build_pool
+    _in_build_pool = True
     return (index, *_build_timed(*_forked_work, index))
 
 
