@@ -449,7 +449,7 @@ def _export_cpu_in_parts(spec: AttentionSpec, target: dict, path: str, jobs: int
             for proc in procs:
                 proc.join()
             failed = [proc.exitcode for proc in procs if proc.exitcode != 0]
-        except (AssertionError, OSError) as err:  # no children here
+        except (AssertionError, OSError, ValueError) as err:  # no children here (or no fork at all)
             failed = [err]
         if failed:
             _log(f"building {spec.name} in {jobs} processes failed ({failed}); building it in this one")
